@@ -1,0 +1,71 @@
+"""Attention over the paged KV cache (PyTorch reference path).
+
+Decode sequences (one new token each) are batched: their blocks are gathered through the block
+table and attended with a length mask. Prefill sequences are attended one by one, causally, over
+their cached prefix plus the new tokens.
+
+Shape legend: T = tokens in the step, B = decode sequences, H = query heads, Hkv = KV heads,
+Dh = head_dim, M = max blocks per sequence, S = block_size, L = gathered context length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(kw_only=True, slots=True)
+class AttentionMetadata:
+    """Where each token of a flattened step lives in the paged cache.
+
+    slot_mapping: [T] int64 flat cache slot of each new token.
+    decode_tokens: [B] int64 token index (into T) of each decode sequence's single new token.
+    decode_block_tables: [B, M] int64, padded with 0; decode_context_lens: [B] int64 (incl. new token).
+    prefills: (token_start, num_new_tokens, context_len, block_table [M'] int64) per prefill sequence.
+    """
+
+    slot_mapping: torch.Tensor
+    decode_tokens: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache [N, S, Hkv, Dh], block_table [..., M] -> [..., M*S, Hkv, Dh]."""
+    g = cache[block_table]
+    return g.reshape(*block_table.shape[:-1], -1, *cache.shape[2:])
+
+
+def paged_attention_ref(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the step's queries over their sequences' cached K/V (already written).
+
+    Args:
+        q_THD: [T, H, Dh] queries after RoPE (and q-norm). k_cache/v_cache: [N, S, Hkv, Dh].
+        meta: token -> sequence/cache layout. scale: softmax scale (usually Dh ** -0.5).
+    Returns:
+        [T, H, Dh] attention output in q's dtype.
+    """
+    T, H, Dh = q_THD.shape
+    out = torch.empty_like(q_THD)
+    B = meta.decode_tokens.numel()
+    if B:
+        k = _gather(k_cache, meta.decode_block_tables).transpose(1, 2)  # [B, Hkv, L, Dh]
+        v = _gather(v_cache, meta.decode_block_tables).transpose(1, 2)
+        L = k.shape[2]
+        mask = torch.arange(L, device=q_THD.device)[None, :] < meta.decode_context_lens[:, None]  # [B, L]
+        q = q_THD[meta.decode_tokens].unsqueeze(2)  # [B, H, 1, Dh]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                           enable_gqa=k.shape[1] != H)
+        out[meta.decode_tokens] = o.squeeze(2)
+    for start, n, ctx, table in meta.prefills:
+        k = _gather(k_cache, table)[:ctx].transpose(0, 1)  # [Hkv, ctx, Dh]
+        v = _gather(v_cache, table)[:ctx].transpose(0, 1)
+        q = q_THD[start : start + n].transpose(0, 1)  # [H, n, Dh]
+        # query i sits at position ctx - n + i and sees keys 0..ctx-n+i
+        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[0] != H)
+        out[start : start + n] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,241 @@
+"""One rank's engine: scheduler + paged KV cache + model forward + sampling, one step at a time.
+
+`step()` must be called on every rank of the EP group the same number of times (the all-to-all
+collectives inside the MoE layers pair up across ranks); a rank with nothing scheduled runs the
+forward with zero tokens. The lockstep loop that guarantees this lives in `actors.rank_actor`.
+
+Shape legend: T = tokens in the step, N = sequences needing logits, V = vocab.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from tokenizers import Tokenizer
+
+from actors.attention import AttentionMetadata
+from actors.config import ModelConfig
+from actors.detokenizer import IncrementalDetokenizer
+from actors.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.kv_cache import PagedKVCache
+from actors.messages import GenerateRequest, TokenOutput
+from actors.model import MoEModel
+from actors.sampling import SamplingParams, sample
+from actors.scheduler import Scheduler, Sequence
+from actors.weights import load_rank_weights
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineConfig:
+    """Per-rank engine settings (validated).
+
+    kv_cache_bytes: KV memory budget of this rank in bytes. block_size: tokens per KV block.
+    max_model_len: prompt + output tokens per sequence at most. dtype: compute dtype name.
+    """
+
+    model: str
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 64 * 2**20
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    num_threads: int = 0  # 0: leave torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+class RankEngine:
+    """Model shard, KV cache and scheduler of one rank.
+
+    Thread-safety: `add_request`/`abort` may be called from other threads; `step` from one thread.
+
+    Raises:
+        ValueError: if the KV budget cannot hold one `max_model_len` sequence, or max_model_len
+            exceeds the model's position limit.
+    """
+
+    def __init__(self, cfg: EngineConfig, placement: ExpertPlacement, rank: int = 0, group=None):
+        self.cfg = cfg
+        self.rank = rank
+        self.model_cfg = ModelConfig.from_pretrained(cfg.model)
+        mc = self.model_cfg
+        if cfg.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        dtype = cfg.torch_dtype
+        local = [placement.local_experts(l, rank) for l in range(mc.num_layers)]
+        weights = load_rank_weights(cfg.model, mc, local, dtype)
+        self.dispatcher = AllToAllDispatcher(placement, rank, group)
+        self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        num_blocks = cfg.kv_cache_bytes // per_block
+        need = -(-cfg.max_model_len // cfg.block_size)
+        if num_blocks < need:
+            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
+                             f"one max_model_len={cfg.max_model_len} sequence needs {need}")
+        self.cache = PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens)
+        self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
+        self.eos = set(mc.eos_token_ids)
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self.outputs: list[TokenOutput] = []
+        self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0}
+
+    # ------------------------------------------------------------------------ requests
+    def add_request(self, req: GenerateRequest) -> None:
+        params = SamplingParams.from_dict(req.params)
+        gen = None
+        if params.temperature > 0:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=params,
+                       detok=IncrementalDetokenizer(self.tokenizer, params.stop), generator=gen, arrival=req.arrival)
+        with self._lock:
+            self._inbox.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.add(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox or self._aborts) or self.scheduler.has_work
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, set()
+        for seq in inbox:
+            if seq.request_id in aborts:
+                aborts.discard(seq.request_id)
+                self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="abort"))
+                continue
+            self.scheduler.add(seq)
+        for rid in aborts:
+            if self.scheduler.abort(rid) is not None:
+                self.outputs.append(TokenOutput(request_id=rid, finish_reason="abort"))
+
+    # ------------------------------------------------------------------------ step
+    def _metadata(self, prefills: list[Sequence], decodes: list[Sequence]):
+        bs = self.cfg.block_size
+        ids, pos, slots = [], [], []
+        pf_meta = []
+        for seq in prefills:
+            toks = seq.all_ids
+            start = len(ids)
+            ids += toks
+            pos += range(len(toks))
+            slots += [seq.block_table[i // bs] * bs + i % bs for i in range(len(toks))]
+            pf_meta.append((start, len(toks), len(toks), torch.tensor(seq.block_table, dtype=torch.int64)))
+        dec_tok = []
+        for seq in decodes:
+            i = seq.length - 1
+            dec_tok.append(len(ids))
+            ids.append(seq.all_ids[-1])
+            pos.append(i)
+            slots.append(seq.block_table[i // bs] * bs + i % bs)
+        M = max((len(s.block_table) for s in decodes), default=0)
+        tables = torch.zeros(len(decodes), M, dtype=torch.int64)
+        for j, seq in enumerate(decodes):
+            tables[j, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            decode_tokens=torch.tensor(dec_tok, dtype=torch.int64),
+            decode_block_tables=tables,
+            decode_context_lens=torch.tensor([s.length for s in decodes], dtype=torch.int64),
+            prefills=pf_meta,
+        )
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenOutput]:
+        """Schedule, run one forward (possibly with zero tokens), sample, emit outputs."""
+        t0 = time.perf_counter()
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        for seq, err in batch.failed:
+            self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="error", error=err))
+        ids, pos, meta = self._metadata(batch.prefills, batch.decodes)
+        t1 = time.perf_counter()
+        h = self.model.forward(ids, pos, self.cache, meta)
+        seqs = batch.prefills + batch.decodes
+        last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
+        t2 = time.perf_counter()
+        if seqs:
+            logits = self.model.logits(h[torch.tensor(last, dtype=torch.int64)])
+            toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for seq, tok in zip(seqs, toks):
+                seq.num_cached = seq.length
+                self._append(seq, tok)
+        t3 = time.perf_counter()
+        self.timing["steps"] += 1
+        self.timing["schedule_s"] += t1 - t0
+        self.timing["forward_s"] += t2 - t1
+        self.timing["sample_s"] += t3 - t2
+        out, self.outputs = self.outputs, []
+        return out
+
+    def _append(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        is_eos = tok in self.eos and not p.ignore_eos
+        reason = None
+        text = ""
+        if is_eos:
+            reason = "stop"
+        else:
+            seq.output_ids.append(tok)
+            text, stopped = seq.detok.add(tok)
+            if stopped or tok in p.stop_token_ids:
+                reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.cfg.max_model_len:
+                reason = "length"
+        if reason is not None:
+            if not seq.detok.stopped:
+                text += seq.detok.flush()
+            self.scheduler.finish(seq, reason)
+        self.outputs.append(TokenOutput(request_id=seq.request_id, token_ids=[] if is_eos else [tok], text=text,
+                                        finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+                                        num_preemptions=seq.num_preemptions))
+
+    # ------------------------------------------------------------------------ utilities
+    @torch.inference_mode()
+    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """Logits [L, V] (fp32) at every prompt position, through the paged cache (world_size 1 only)."""
+        bs = self.cfg.block_size
+        n = len(prompt_ids)
+        blocks = [self.cache.allocator.allocate() for _ in range(-(-n // bs))]
+        try:
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor([blocks[i // bs] * bs + i % bs for i in range(n)], dtype=torch.int64),
+                decode_tokens=torch.zeros(0, dtype=torch.int64), decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
+                decode_context_lens=torch.zeros(0, dtype=torch.int64),
+                prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64))])
+            h = self.model.forward(torch.tensor(prompt_ids), torch.arange(n), self.cache, meta)
+            return self.model.logits(h)
+        finally:
+            self.cache.allocator.free_all(blocks)
+
+    def stats(self) -> dict:
+        a = self.cache.allocator
+        return {
+            "rank": self.rank,
+            "expert_load": self.model.expert_load.tolist(),
+            "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_free,
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "comm_s": self.dispatcher.comm_s, **self.timing,
+        }

@@ -1,0 +1,71 @@
+"""Messages between the router and the ranks (msgpack, versioned), all in one place.
+
+Every message is a msgpack map with `v` (schema version) and `type`. Decoding a message of an
+unknown version raises ValueError, so a mixed-version cluster fails loudly instead of silently.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+
+def _pack(kind: str, body: dict) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, "type": kind, **body}, use_bin_type=True)
+
+
+def _unpack(data: bytes, kind: str) -> dict:
+    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if d.get("v") != SCHEMA_VERSION:
+        raise ValueError(f"message schema version {d.get('v')} != {SCHEMA_VERSION}")
+    if d.get("type") != kind:
+        raise ValueError(f"expected a {kind!r} message, got {d.get('type')!r}")
+    d.pop("v"), d.pop("type")
+    return d
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerateRequest:
+    """Router -> rank: start a sequence. `params` is `SamplingParams.to_dict()`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: dict
+    arrival: float = 0.0
+
+    def encode(self) -> bytes:
+        return _pack("generate", asdict(self))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "GenerateRequest":
+        return cls(**_unpack(data, "generate"))
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenOutput:
+    """Rank -> router: new tokens of one sequence since the last poll.
+
+    finish_reason: None while running; "stop" (EOS / stop string / stop id), "length", "abort",
+    or "error" (then `error` says why).
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    num_preemptions: int = 0
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+def encode_outputs(outputs: list[TokenOutput]) -> bytes:
+    return _pack("outputs", {"items": [o.to_wire() for o in outputs]})
+
+
+def decode_outputs(data: bytes) -> list[TokenOutput]:
+    return [TokenOutput(**d) for d in _unpack(data, "outputs")["items"]]

