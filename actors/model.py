@@ -78,7 +78,7 @@ class MoEModel:
         q, k = self.rotary.apply(q, positions_T), self.rotary.apply(k, positions_T)
         cache.write(l, k, v, meta.slot_mapping)
         o = paged_attention_ref(q, cache.k[l], cache.v[l], meta, self.scale)
-        return F.linear(o.reshape(T, -1), w[p + "o_w"], w.get(p + "o_b"))
+        return F.linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
     def moe(self, l: int, x_TD: torch.Tensor) -> torch.Tensor:
         w, p = self.w, f"layers.{l}."

@@ -1,0 +1,72 @@
+"""Cluster configuration (internal dataclass; user-facing validation happens at the CLI/HTTP edge)."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from actors.config import ModelConfig
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """How many ranks, what each runs, and what resources each asks Ray for.
+
+    ranks: world size of the EP group. num_cpus_per_rank: fractional CPU per rank bundle
+    (default 0.5 so 2 ranks fit a 2-core machine next to the driver). num_gpus_per_rank: 1 on CUDA.
+    kv_cache_bytes: KV budget per rank (bytes). pg_timeout_s: process-group timeout (<= 10 s).
+    """
+
+    model: str = DEFAULT_MODEL
+    ranks: int = 2
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: min(1024, the model's max_position_embeddings)
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 4096
+    block_size: int = 16
+    kv_cache_bytes: int = 64 * 2**20
+    num_cpus_per_rank: float = 0.5
+    num_gpus_per_rank: float = 0.0
+    num_threads_per_rank: int = 1
+    pg_timeout_s: float = 10.0
+    placement_strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"ranks={self.ranks} must be >= 1")
+        if not 0 < self.pg_timeout_s <= 10:
+            raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
+        if self.num_cpus_per_rank <= 0:
+            raise ValueError(f"num_cpus_per_rank={self.num_cpus_per_rank} must be > 0")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model={self.model!r}: no config.json there")
+        mc = ModelConfig.from_pretrained(self.model)
+        if self.max_model_len is None:
+            self.max_model_len = min(1024, mc.max_position_embeddings)
+        if not 1 <= self.max_model_len <= mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} must be in [1, the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}]")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.num_gpus_per_rank > 0 else "gloo"
+
+    def engine_config(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype, "block_size": self.block_size,
+                "kv_cache_bytes": self.kv_cache_bytes, "max_model_len": self.max_model_len,
+                "max_num_seqs": self.max_num_seqs, "max_batched_tokens": self.max_batched_tokens}
+
+    @classmethod
+    def auto(cls, **kw) -> "ClusterConfig":
+        """One rank per GPU on CUDA (unless `ranks` given), CPU defaults otherwise."""
+        if torch.cuda.is_available():
+            kw.setdefault("ranks", torch.cuda.device_count())
+            kw.setdefault("num_gpus_per_rank", 1.0)
+            kw.setdefault("num_cpus_per_rank", 1.0)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

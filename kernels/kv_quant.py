@@ -1,0 +1,699 @@
+"""Sub-4-bit, outlier-aware, non-uniform KV-cache quantization (KVQuant, arXiv 2401.18079).
+
+What is quantized, and how (one layer):
+  * keys, per channel: `k_norm = (k - k_zero[h, d]) / k_scale[h, d]` with scales/zeros calibrated offline on
+    pre-RoPE keys (KVQuant section 3.1-3.2: per-channel, pre-RoPE), then the nearest level of the layer's
+    non-uniform key codebook (k-means / Lloyd-Max fitted on normalised calibration keys, section 3.3);
+  * values, per token: `v_norm = (v - v_zero[h, d]) / v_scale[t, h]`, `v_scale` = max-abs of the token's
+    centred inlier channels, computed online at quantize time and stored as fp16, then the nearest level of
+    the value codebook. `v_zero` is an optional calibrated per-channel mean (not in KVQuant): values share a
+    per-channel offset (e.g. the v_proj bias of Qwen2), and removing it leaves the per-token scale to the
+    part that varies, which at 3 bits halves the value error on such data; it costs H * D fp32 per layer;
+  * outlier channels: per KV head, the `n_outlier` channels of largest calibrated max-abs are kept dense in
+    fp16 in a side array and excluded from the scale and codebook fit. KVQuant isolates ~1% of values as
+    sparse per-token outliers; a fixed per-head channel set is the dense-and-static variant, chosen because
+    the paged kernel can restore it with one gather and no sparse format. Their code slots are still
+    stored (and ignored), which costs `n_outlier * bits` bits per token and head but keeps the bit offset
+    of channel d equal to `d * bits`.
+
+The uniform baseline `kivi_quantize` / `kivi_dequantize` (KIVI, arXiv 2402.02750: per-channel keys and
+per-token values in groups, each group with an fp16 scale and zero) is here for benchmark comparison.
+
+Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {2, 3, 4}:
+  A row of D codes is one little-endian bitstream of D * b bits stored in D * b / 8 bytes. Code i occupies
+  stream bits [i*b, i*b + b), least-significant bit first; byte j holds stream bits [8j, 8j + 8).
+  b=4: code 2j in the low nibble of byte j, code 2j+1 in the high nibble.
+  b=2: byte j holds codes 4j..4j+3 at bit offsets 0, 2, 4, 6.
+  b=3: every 8 codes fill exactly 3 bytes; codes 2 and 5 of each group of 8 straddle a byte boundary
+       (code 2 = bits 6-7 of byte 0 + bit 0 of byte 1). A 3-bit code costs exactly 3/8 byte.
+  Requires D * b % 8 == 0 (D % 8 == 0 for 3 bits).
+
+Paged storage (`KVPages`, kernel side of the paged cache, one layer; block = `block_size` tokens):
+  k_codes     [NB, H, S, P] uint8   packed key codes, P = D * bits / 8 bytes per token and head
+  v_codes     [NB, H, S, P] uint8   packed value codes
+  v_scale     [NB, S, H]    fp16    per-token value scale
+  k_outliers  [NB, S, H, Ok] fp16   dense key outlier channels, order of `profile.k_outlier_idx[h]`
+  v_outliers  [NB, S, H, Ov] fp16   dense value outlier channels (Ov may be 0)
+  Per layer (in `KVQuantProfile`): k_scale/k_zero/v_zero [H, D] fp32, k_codebook/v_codebook [L] fp32,
+  k_outlier_idx [H, Ok] int32, v_outlier_idx [H, Ov] int32.
+  Bytes per token and layer: H * (2 * P + 2 + 2 * Ok + 2 * Ov).
+
+Shape legend: N = tokens, H = KV heads, D = head_dim, L = 2**bits codebook levels, P = packed bytes per
+token and head (D * bits / 8), NB = blocks, S = block_size, Ok / Ov = outlier channels per head (K / V),
+G = group size (KIVI).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4)
+CODEBOOK_METHODS = ("kmeans", "uniform")
+_FP16_MAX = 65504.0
+# k-means on more points than this changes the codebook by far less than the quantization step.
+_MAX_FIT_SAMPLES = 1 << 20
+
+
+def _check_bits(bits: int, name: str = "bits") -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name}={bits} is not supported; choose one of {SUPPORTED_BITS}")
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one packed row of `head_dim` codes at `bits` bits each (P in the legend).
+
+    Raises:
+        ValueError: bits not in {2, 3, 4}, or head_dim * bits not a multiple of 8.
+    """
+    _check_bits(bits)
+    if head_dim <= 0 or (head_dim * bits) % 8:
+        raise ValueError(f"head_dim={head_dim} * bits={bits} must be a positive multiple of 8 to pack densely")
+    return head_dim * bits // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes densely along the last dim (layout in the module docstring).
+
+    Args:
+        codes: [..., D] integer tensor with values in [0, 2**bits).
+        bits: 2, 3 or 4 bits per code.
+    Returns:
+        [..., D * bits / 8] uint8.
+    Raises:
+        ValueError: unsupported bits, or D * bits not a multiple of 8.
+    """
+    d = codes.shape[-1]
+    p = packed_bytes(d, bits)
+    c = codes.to(torch.int32)
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
+    stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], p, 8)  # [..., P, 8] bits
+    weights = torch.arange(8, device=codes.device, dtype=torch.int32)
+    return (stream << weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """Inverse of `pack_codes`.
+
+    Args:
+        packed: [..., P] uint8 with P = head_dim * bits / 8.
+        bits: 2, 3 or 4.
+        head_dim: D, the number of codes per row.
+    Returns:
+        [..., D] int64 codes in [0, 2**bits).
+    Raises:
+        ValueError: unsupported bits, or packed.shape[-1] != head_dim * bits / 8.
+    """
+    p = packed_bytes(head_dim, bits)
+    if packed.shape[-1] != p:
+        raise ValueError(f"packed.shape[-1]={packed.shape[-1]} != head_dim*bits/8={p}")
+    weights = torch.arange(8, device=packed.device, dtype=torch.int32)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> weights) & 1).reshape(*packed.shape[:-1], head_dim, bits)
+    shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
+    return (stream << shifts).sum(-1).to(torch.int64)
+
+
+def nearest_level(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest codebook level for every element.
+
+    Args:
+        x: any shape, float.
+        codebook: [L] float, sorted ascending.
+    Returns:
+        int64 codes, same shape as x. Values outside the codebook range clip to the end levels.
+    """
+    mids = (codebook[1:] + codebook[:-1]) * 0.5
+    return torch.bucketize(x.float().contiguous(), mids.float().contiguous())
+
+
+def fit_codebook(samples: torch.Tensor, bits: int, *, method: str = "kmeans", iters: int = 30) -> torch.Tensor:
+    """Fit a 2**bits-level codebook on normalised values (KVQuant section 3.3, non-uniform quantization).
+
+    `kmeans` is 1-D Lloyd-Max: deterministic quantile initialisation, then `iters` rounds of
+    assign-to-nearest / move-to-mean. `uniform` is the cheap grid linspace(-1, 1, L). Samples are clamped
+    to [-1, 1] (values outside were clipped by the calibrated scale anyway) and deterministically
+    subsampled above 2**20 elements.
+
+    Args:
+        samples: any shape, float, normalised to roughly [-1, 1]. May be empty (returns the uniform grid).
+        bits: 2, 3 or 4.
+        method: "kmeans" or "uniform".
+        iters: Lloyd iterations, >= 0.
+    Returns:
+        [L] fp32 levels, strictly ascending.
+    Raises:
+        ValueError: unsupported bits or method, negative iters.
+    """
+    _check_bits(bits)
+    if method not in CODEBOOK_METHODS:
+        raise ValueError(f"method={method!r} is not one of {CODEBOOK_METHODS}")
+    if iters < 0:
+        raise ValueError(f"iters={iters} must be >= 0")
+    n_levels = 1 << bits
+    uniform = torch.linspace(-1.0, 1.0, n_levels)
+    x = samples.detach().reshape(-1).float().cpu().clamp(-1.0, 1.0)
+    if method == "uniform" or x.numel() < n_levels:
+        return uniform
+    if x.numel() > _MAX_FIT_SAMPLES:
+        x = x[torch.linspace(0, x.numel() - 1, _MAX_FIT_SAMPLES).long()]
+    xs = x.sort().values
+    levels = xs[((torch.arange(n_levels) + 0.5) * (xs.numel() / n_levels)).long()]
+    # On sorted samples each level's cell is a contiguous run, so one Lloyd step is a searchsorted plus
+    # differences of a prefix sum: O(L log N) per iteration instead of O(N).
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), xs.double().cumsum(0)])
+    for _ in range(iters):
+        edges = torch.searchsorted(xs, (levels[1:] + levels[:-1]) * 0.5)
+        edges = torch.cat([torch.zeros(1, dtype=torch.long), edges, torch.full((1,), xs.numel())])
+        counts = (edges[1:] - edges[:-1]).double()
+        sums = prefix[edges[1:]] - prefix[edges[:-1]]
+        means = (sums / counts.clamp_min(1.0)).float()
+        levels = torch.where(counts > 0, means, levels).sort().values
+    # Identical levels (e.g. from a constant input) would make nearest_level ambiguous; break ties.
+    if not bool((levels[1:] > levels[:-1]).all()):
+        levels = levels + torch.arange(n_levels, dtype=torch.float32) * 1e-6
+    return levels.contiguous()
+
+
+@dataclass(kw_only=True, slots=True)
+class KVQuantProfile:
+    """Calibrated KV quantization profile of one layer (KVQuant, arXiv 2401.18079).
+
+    Fields (H = KV heads, D = head_dim, L = 2**bits, Ok / Ov = outlier channels per head):
+        bits: code width in bits per element, 2, 3 or 4.
+        k_scale: [H, D] fp32, per-channel key scale (> 0); 1 on outlier channels.
+        k_zero: [H, D] fp32, per-channel key zero point (0 when calibrated without zero points).
+        v_zero: [H, D] fp32, per-channel value offset removed before the per-token scale (0 = off).
+        k_codebook, v_codebook: [L] fp32, strictly ascending levels in normalised units.
+        k_outlier_idx: [H, Ok] int32, key channels kept dense in fp16; unique per head, 0 <= Ok <= D.
+        v_outlier_idx: [H, Ov] int32, value channels kept dense in fp16; 0 <= Ov <= D.
+    Raises (in __post_init__):
+        ValueError naming the field, the value and the limit.
+    """
+
+    bits: int
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_zero: torch.Tensor
+    k_codebook: torch.Tensor
+    v_codebook: torch.Tensor
+    k_outlier_idx: torch.Tensor
+    v_outlier_idx: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _check_bits(int(self.bits))
+        self.bits = int(self.bits)
+        if self.k_scale.dim() != 2:
+            raise ValueError(f"k_scale.shape={tuple(self.k_scale.shape)} must be [H, D]")
+        h, d = self.k_scale.shape
+        packed_bytes(d, self.bits)
+        for name in ("k_zero", "v_zero"):
+            if getattr(self, name).shape != (h, d):
+                raise ValueError(f"{name}.shape={tuple(getattr(self, name).shape)} must equal k_scale.shape={(h, d)}")
+        if not bool((self.k_scale > 0).all()):
+            raise ValueError("k_scale must be > 0 everywhere")
+        n_levels = 1 << self.bits
+        for name in ("k_codebook", "v_codebook"):
+            cb = getattr(self, name)
+            if cb.shape != (n_levels,):
+                raise ValueError(f"{name}.shape={tuple(cb.shape)} must be ({n_levels},) for bits={self.bits}")
+            if not bool((cb[1:] > cb[:-1]).all()):
+                raise ValueError(f"{name} must be strictly ascending")
+        for name in ("k_outlier_idx", "v_outlier_idx"):
+            idx = getattr(self, name)
+            if idx.dim() != 2 or idx.shape[0] != h or idx.shape[1] > d:
+                raise ValueError(f"{name}.shape={tuple(idx.shape)} must be [H={h}, n<= D={d}]")
+            if idx.dtype != torch.int32:
+                raise ValueError(f"{name}.dtype={idx.dtype} must be torch.int32")
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= d):
+                raise ValueError(f"{name} values must lie in [0, {d})")
+            if idx.shape[1] and bool((idx.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise ValueError(f"{name} has a repeated channel within a head")
+        self.k_scale = self.k_scale.float().contiguous()
+        self.k_zero = self.k_zero.float().contiguous()
+        self.v_zero = self.v_zero.float().contiguous()
+        self.k_codebook = self.k_codebook.float().contiguous()
+        self.v_codebook = self.v_codebook.float().contiguous()
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_scale.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_scale.shape[1]
+
+    @property
+    def n_outlier_k(self) -> int:
+        return self.k_outlier_idx.shape[1]
+
+    @property
+    def n_outlier_v(self) -> int:
+        return self.v_outlier_idx.shape[1]
+
+    @property
+    def packed_bytes(self) -> int:
+        """P: bytes of packed codes per token and head, for K or V each."""
+        return packed_bytes(self.head_dim, self.bits)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one quantized token costs in one layer: codes, V scale, K and V outlier values."""
+        return self.num_kv_heads * (2 * self.packed_bytes + 2 + 2 * self.n_outlier_k + 2 * self.n_outlier_v)
+
+    def outlier_slots(self, which: str) -> torch.Tensor:
+        """[H, D] int32: position of channel d in the outlier side array of head h, or -1 if an inlier.
+
+        Lets the dense dequantizer and the Triton kernel restore outliers with one gather.
+        Raises: ValueError if `which` is not "k" or "v".
+        """
+        if which not in ("k", "v"):
+            raise ValueError(f"which={which!r} must be 'k' or 'v'")
+        idx = (self.k_outlier_idx if which == "k" else self.v_outlier_idx).long()
+        slots = torch.full((self.num_kv_heads, self.head_dim), -1, dtype=torch.int32, device=idx.device)
+        if idx.shape[1]:
+            rank = torch.arange(idx.shape[1], dtype=torch.int32, device=idx.device).expand_as(idx)
+            slots.scatter_(1, idx, rank.contiguous())
+        return slots
+
+    def to(self, device: torch.device | str) -> "KVQuantProfile":
+        return KVQuantProfile(**{f.name: (getattr(self, f.name).to(device) if f.name != "bits" else self.bits)
+                                 for f in fields(self)})
+
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat dict of contiguous tensors for safetensors (`bits` as an int32 scalar tensor)."""
+        out = {f.name: getattr(self, f.name).contiguous() for f in fields(self) if f.name != "bits"}
+        out["bits"] = torch.tensor(self.bits, dtype=torch.int32)
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "KVQuantProfile":
+        """Inverse of `to_tensors`. Raises ValueError naming a missing key."""
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"tensors is missing keys {missing}")
+        kw = {n: tensors[n] for n in names}
+        kw["bits"] = int(tensors["bits"])
+        return cls(**kw)
+
+
+def _top_channels(x_NHD: torch.Tensor, n: int) -> torch.Tensor:
+    """[H, n] int32 channels of largest max-abs per head, sorted ascending (deterministic order)."""
+    mag_HD = x_NHD.abs().amax(dim=0)
+    return mag_HD.topk(n, dim=1).indices.sort(dim=1).values.to(torch.int32)
+
+
+def _inlier_mask(idx_HO: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[H, D] bool, True on channels that go through the codebook."""
+    mask = torch.ones(idx_HO.shape[0], head_dim, dtype=torch.bool, device=idx_HO.device)
+    if idx_HO.shape[1]:
+        mask.scatter_(1, idx_HO.long(), False)
+    return mask
+
+
+def fit_kv_profile(
+    k_calib: torch.Tensor,
+    v_calib: torch.Tensor,
+    *,
+    bits: int,
+    n_outlier: int = 2,
+    n_outlier_v: int = 0,
+    percentile: float = 1.0,
+    use_zero: bool = True,
+    use_v_zero: bool = True,
+    codebook: str = "kmeans",
+    iters: int = 30,
+) -> KVQuantProfile:
+    """Calibrate one layer's `KVQuantProfile` offline (KVQuant, arXiv 2401.18079, sections 3.1-3.4).
+
+    Args:
+        k_calib: [N, H, D] float, calibration keys BEFORE RoPE (per-channel structure is cleaner pre-RoPE).
+        v_calib: [N, H, D] float, calibration values.
+        bits: code width, 2, 3 or 4 bits per element.
+        n_outlier: key outlier channels per head kept in fp16, 0 <= n_outlier <= D (D bypasses K quantization).
+        n_outlier_v: value outlier channels per head kept in fp16, 0 <= n_outlier_v <= D.
+        percentile: in (0.5, 1]; per-channel key range is [q(1 - p), q(p)] over tokens (1.0 = min/max),
+            values beyond are clipped to the end levels.
+        use_zero: per-channel key zero point (asymmetric range) if True, else symmetric max-abs scale.
+        use_v_zero: subtract the calibrated per-channel value mean before per-token scaling.
+        codebook: "kmeans" (non-uniform, Lloyd-Max) or "uniform".
+        iters: Lloyd iterations.
+    Returns:
+        KVQuantProfile on the device of k_calib.
+    Raises:
+        ValueError: mismatched shapes, N == 0, out-of-range bits / n_outlier / n_outlier_v / percentile.
+    """
+    if k_calib.dim() != 3 or v_calib.shape != k_calib.shape:
+        raise ValueError(f"k_calib.shape={tuple(k_calib.shape)} and v_calib.shape={tuple(v_calib.shape)} "
+                         "must both be [N, H, D]")
+    n, h, d = k_calib.shape
+    if n == 0:
+        raise ValueError("k_calib has N=0 calibration tokens; need at least 1")
+    _check_bits(bits)
+    packed_bytes(d, bits)
+    if not 0 <= n_outlier <= d:
+        raise ValueError(f"n_outlier={n_outlier} must be in [0, head_dim={d}]")
+    if not 0 <= n_outlier_v <= d:
+        raise ValueError(f"n_outlier_v={n_outlier_v} must be in [0, head_dim={d}]")
+    if not 0.5 < percentile <= 1.0:
+        raise ValueError(f"percentile={percentile} must be in (0.5, 1.0]")
+    k = k_calib.detach().float()
+    v = v_calib.detach().float()
+
+    k_idx = _top_channels(k, n_outlier)
+    v_idx = _top_channels(v, n_outlier_v)
+    k_in_HD = _inlier_mask(k_idx, d)
+    v_in_HD = _inlier_mask(v_idx, d)
+
+    if percentile >= 1.0:
+        hi_HD, lo_HD = k.amax(dim=0), k.amin(dim=0)
+    else:
+        k_sorted = k.sort(dim=0).values
+        hi_HD = k_sorted[min(n - 1, math.ceil(percentile * (n - 1)))]
+        lo_HD = k_sorted[max(0, math.floor((1.0 - percentile) * (n - 1)))]
+    if use_zero:
+        zero_HD = (hi_HD + lo_HD) * 0.5
+        scale_HD = (hi_HD - lo_HD) * 0.5
+    else:
+        zero_HD = torch.zeros_like(hi_HD)
+        scale_HD = torch.maximum(hi_HD.abs(), lo_HD.abs())
+    # A constant channel has zero range; any positive scale reproduces it through the zero point.
+    scale_HD = torch.where(k_in_HD, scale_HD.clamp_min(1e-8), torch.ones_like(scale_HD))
+    zero_HD = torch.where(k_in_HD, zero_HD, torch.zeros_like(zero_HD))
+
+    k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]  # [N, inliers]
+    v_zero_HD = torch.where(v_in_HD, v.mean(dim=0), torch.zeros((), device=v.device)) if use_v_zero \
+        else torch.zeros(h, d, device=v.device)
+    v_c = v - v_zero_HD
+    v_scale_NH = _value_scale(v_c, v_in_HD).float()
+    v_norm = (v_c / v_scale_NH[..., None])[:, v_in_HD]
+    return KVQuantProfile(
+        bits=bits,
+        k_scale=scale_HD,
+        k_zero=zero_HD,
+        v_zero=v_zero_HD,
+        k_codebook=fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device),
+        v_codebook=fit_codebook(v_norm, bits, method=codebook, iters=iters).to(k.device),
+        k_outlier_idx=k_idx,
+        v_outlier_idx=v_idx,
+    )
+
+
+def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor) -> torch.Tensor:
+    """[N, H] fp16 per-token scale: max-abs over inlier channels, fp16-safe, never 0."""
+    mag = torch.where(inlier_HD, v_NHD.float().abs(), torch.zeros((), device=v_NHD.device)).amax(dim=-1)
+    # Rounding to fp16 first means quantize divides by exactly the scale dequantize multiplies by.
+    s = mag.clamp(max=_FP16_MAX).to(torch.float16)
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
+@dataclass(kw_only=True, slots=True)
+class QuantizedKV:
+    """Quantized keys and values of N tokens of one layer, in per-token rows ready to write into pages.
+
+    Fields: k_codes / v_codes [N, H, P] uint8 (packed, module-docstring layout), v_scale [N, H] fp16,
+    k_outliers [N, H, Ok] fp16, v_outliers [N, H, Ov] fp16.
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    k_outliers: torch.Tensor
+    v_outliers: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k_codes.shape[0]
+
+
+def _check_kv(x: torch.Tensor, profile: KVQuantProfile, name: str) -> None:
+    if x.dim() != 3 or x.shape[1:] != (profile.num_kv_heads, profile.head_dim):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be [N, H={profile.num_kv_heads}, "
+                         f"D={profile.head_dim}]")
+
+
+def _gather_channels(x_NHD: torch.Tensor, idx_HO: torch.Tensor) -> torch.Tensor:
+    """[N, H, O] fp16 values of the outlier channels."""
+    idx = idx_HO.long().unsqueeze(0).expand(x_NHD.shape[0], -1, -1)
+    return x_NHD.gather(2, idx).clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+
+
+def _restore_channels(x_NHD: torch.Tensor, vals_NHO: torch.Tensor, idx_HO: torch.Tensor) -> torch.Tensor:
+    if idx_HO.shape[1] == 0:
+        return x_NHD
+    idx = idx_HO.long().unsqueeze(0).expand(x_NHD.shape[0], -1, -1)
+    return x_NHD.scatter(2, idx, vals_NHO.float())
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> QuantizedKV:
+    """Quantize N tokens of keys (pre-RoPE, per channel) and values (per token) with a calibrated profile.
+
+    Args:
+        k: [N, H, D] float keys BEFORE RoPE.
+        v: [N, H, D] float values.
+        profile: the layer's KVQuantProfile (same device).
+    Returns:
+        QuantizedKV with k_codes/v_codes [N, H, P] uint8, v_scale [N, H] fp16, k_outliers [N, H, Ok] fp16,
+        v_outliers [N, H, Ov] fp16. Magnitudes above 65504 saturate in the fp16 side arrays.
+    Raises:
+        ValueError: k or v not [N, H, D] matching the profile.
+    """
+    _check_kv(k, profile, "k")
+    _check_kv(v, profile, "v")
+    kf, vf = k.float(), v.float()
+    k_codes = nearest_level((kf - profile.k_zero) / profile.k_scale, profile.k_codebook)
+    v_c = vf - profile.v_zero
+    v_scale = _value_scale(v_c, _inlier_mask(profile.v_outlier_idx, profile.head_dim))
+    v_codes = nearest_level(v_c / v_scale.float()[..., None], profile.v_codebook)
+    return QuantizedKV(
+        k_codes=pack_codes(k_codes, profile.bits),
+        v_codes=pack_codes(v_codes, profile.bits),
+        v_scale=v_scale,
+        k_outliers=_gather_channels(kf, profile.k_outlier_idx),
+        v_outliers=_gather_channels(vf, profile.v_outlier_idx),
+    )
+
+
+def dequantize_keys(k_codes: torch.Tensor, k_outliers: torch.Tensor, profile: KVQuantProfile) -> torch.Tensor:
+    """[N, H, P] uint8 codes + [N, H, Ok] fp16 outliers -> [N, H, D] fp32 keys (pre-RoPE)."""
+    codes = unpack_codes(k_codes, profile.bits, profile.head_dim)
+    k = profile.k_codebook[codes] * profile.k_scale + profile.k_zero
+    return _restore_channels(k, k_outliers, profile.k_outlier_idx)
+
+
+def dequantize_values(v_codes: torch.Tensor, v_scale: torch.Tensor, v_outliers: torch.Tensor,
+                      profile: KVQuantProfile) -> torch.Tensor:
+    """[N, H, P] uint8 codes, [N, H] fp16 scale, [N, H, Ov] fp16 outliers -> [N, H, D] fp32 values."""
+    codes = unpack_codes(v_codes, profile.bits, profile.head_dim)
+    v = profile.v_codebook[codes] * v_scale.float()[..., None] + profile.v_zero
+    return _restore_channels(v, v_outliers, profile.v_outlier_idx)
+
+
+def dequantize_kv(q: QuantizedKV, profile: KVQuantProfile) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `quantize_kv`: returns (k [N, H, D] fp32 pre-RoPE, v [N, H, D] fp32)."""
+    return (dequantize_keys(q.k_codes, q.k_outliers, profile),
+            dequantize_values(q.v_codes, q.v_scale, q.v_outliers, profile))
+
+
+@dataclass(kw_only=True, slots=True)
+class KVPages:
+    """Paged quantized KV storage of one layer (layout in the module docstring).
+
+    Fields: k_codes / v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16, k_outliers [NB, S, H, Ok] fp16,
+    v_outliers [NB, S, H, Ov] fp16. Token t of a sequence's quantized region lives in block
+    `block_table[t // S]` at slot `t % S`. Head-major codes keep one (block, head) contiguous for the kernel.
+    """
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    k_outliers: torch.Tensor
+    v_outliers: torch.Tensor
+
+    def __post_init__(self) -> None:
+        nb, h, s, p = self.k_codes.shape
+        expect = {
+            "v_codes": ((nb, h, s, p), torch.uint8),
+            "v_scale": ((nb, s, h), torch.float16),
+            "k_outliers": ((nb, s, h, self.k_outliers.shape[-1]), torch.float16),
+            "v_outliers": ((nb, s, h, self.v_outliers.shape[-1]), torch.float16),
+        }
+        if self.k_codes.dtype != torch.uint8:
+            raise ValueError(f"k_codes.dtype={self.k_codes.dtype} must be torch.uint8")
+        for name, (shape, dtype) in expect.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; expected {shape} {dtype}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k_codes.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_codes.shape[2]
+
+    @staticmethod
+    def empty(profile: KVQuantProfile, num_blocks: int, block_size: int = 16,
+              device: torch.device | str = "cpu") -> "KVPages":
+        """Zero-filled pages for `num_blocks` blocks of `block_size` tokens.
+
+        Raises: ValueError if num_blocks < 1 or block_size < 1.
+        """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        h, p = profile.num_kv_heads, profile.packed_bytes
+        f16 = torch.float16
+        return KVPages(
+            k_codes=torch.zeros(num_blocks, h, block_size, p, dtype=torch.uint8, device=device),
+            v_codes=torch.zeros(num_blocks, h, block_size, p, dtype=torch.uint8, device=device),
+            v_scale=torch.zeros(num_blocks, block_size, h, dtype=f16, device=device),
+            k_outliers=torch.zeros(num_blocks, block_size, h, profile.n_outlier_k, dtype=f16, device=device),
+            v_outliers=torch.zeros(num_blocks, block_size, h, profile.n_outlier_v, dtype=f16, device=device),
+        )
+
+    def write(self, blocks: torch.Tensor, slots: torch.Tensor, q: QuantizedKV) -> None:
+        """Write N quantized tokens in place: token i goes to block blocks[i], slot slots[i].
+
+        Args:
+            blocks, slots: [N] integer tensors (slots in [0, S)).
+            q: QuantizedKV of N tokens.
+        Raises: ValueError if the lengths differ.
+        """
+        if blocks.shape != slots.shape or blocks.shape[0] != q.num_tokens:
+            raise ValueError(f"blocks.shape={tuple(blocks.shape)}, slots.shape={tuple(slots.shape)} must both "
+                             f"be [N={q.num_tokens}]")
+        b, s = blocks.long(), slots.long()
+        self.k_codes[b, :, s] = q.k_codes
+        self.v_codes[b, :, s] = q.v_codes
+        self.v_scale[b, s] = q.v_scale
+        self.k_outliers[b, s] = q.k_outliers
+        self.v_outliers[b, s] = q.v_outliers
+
+    def read(self, blocks: torch.Tensor, slots: torch.Tensor) -> QuantizedKV:
+        """Gather N tokens back into per-token rows (inverse of `write`)."""
+        b, s = blocks.long(), slots.long()
+        return QuantizedKV(k_codes=self.k_codes[b, :, s], v_codes=self.v_codes[b, :, s], v_scale=self.v_scale[b, s],
+                           k_outliers=self.k_outliers[b, s], v_outliers=self.v_outliers[b, s])
+
+
+def effective_bits(
+    profile: KVQuantProfile,
+    *,
+    num_tokens: int,
+    block_size: int | None = None,
+    num_full_precision_tokens: int = 0,
+    full_precision_bytes: int = 2,
+) -> float:
+    """Effective bits per stored K or V element of one layer, counting every byte.
+
+    Counted: packed K and V codes, fp16 V scales, fp16 K and V outlier values (per token); the profile's
+    scales, zeros, codebooks and outlier indices (amortised over the tokens); the full-precision tokens
+    (sink prefix, unsealed tail) at `full_precision_bytes` bytes per element. With `block_size`, quantized
+    tokens are rounded up to whole blocks, since a partly filled block is still allocated.
+    Result = total bytes * 8 / ((num_tokens + num_full_precision_tokens) * 2 * H * D), in bits per element.
+
+    Raises:
+        ValueError: negative counts, block_size < 1, or no tokens at all.
+    """
+    if num_tokens < 0 or num_full_precision_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} and num_full_precision_tokens={num_full_precision_tokens} "
+                         "must be >= 0")
+    total_tokens = num_tokens + num_full_precision_tokens
+    if total_tokens == 0:
+        raise ValueError("num_tokens + num_full_precision_tokens must be > 0")
+    stored = num_tokens
+    if block_size is not None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        stored = -(-num_tokens // block_size) * block_size
+    h, d = profile.num_kv_heads, profile.head_dim
+    profile_bytes = sum(t.numel() * t.element_size() for t in profile.to_tensors().values())
+    total = (stored * profile.bytes_per_token() + profile_bytes
+             + num_full_precision_tokens * 2 * h * d * full_precision_bytes)
+    return total * 8.0 / (total_tokens * 2 * h * d)
+
+
+# --- KIVI uniform baseline (arXiv 2402.02750) -------------------------------------------------------------
+
+
+@dataclass(kw_only=True, slots=True)
+class KiviQuantized:
+    """KIVI-style uniform quantized K/V (arXiv 2402.02750), for benchmark comparison.
+
+    Fields (N tokens, G = group_size): k_codes / v_codes [N, H, P] uint8 packed like `pack_codes`;
+    k_scale / k_zero [N / G, H, D] fp16 (per channel, one group = G consecutive tokens);
+    v_scale / v_zero [N, H, D / G] fp16 (per token, one group = G consecutive channels); bits; group_size.
+    """
+
+    bits: int
+    group_size: int
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+
+    def effective_bits(self) -> float:
+        """Bits per K/V element counting codes, scales and zeros."""
+        n, h, p = self.k_codes.shape
+        d = p * 8 // self.bits
+        total = sum(t.numel() * t.element_size() for t in (self.k_codes, self.k_scale, self.k_zero,
+                                                            self.v_codes, self.v_scale, self.v_zero))
+        return total * 8.0 / (n * 2 * h * d)
+
+
+def _uniform_group(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric uniform quantization with min/max over `dim`; returns codes, fp16 scale, fp16 zero."""
+    lo = x.amin(dim=dim, keepdim=True)
+    hi = x.amax(dim=dim, keepdim=True)
+    zero = lo.clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+    scale = ((hi - lo) / ((1 << bits) - 1)).clamp(max=_FP16_MAX).to(torch.float16)
+    s = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = torch.round((x - zero.float()) / s).clamp(0, (1 << bits) - 1).to(torch.int64)
+    return codes, scale, zero
+
+
+def kivi_quantize(k: torch.Tensor, v: torch.Tensor, *, bits: int, group_size: int = 32) -> KiviQuantized:
+    """Uniform KIVI quantization: keys per channel over groups of `group_size` tokens, values per token over
+    groups of `group_size` channels, each group with fp16 scale and zero (KIVI, arXiv 2402.02750).
+
+    Args:
+        k, v: [N, H, D] float (KIVI quantizes post-RoPE keys; either works here).
+        bits: 2, 3 or 4 bits per element.
+        group_size: G; N and D must be multiples of G (KIVI keeps the remainder in full precision).
+    Returns:
+        KiviQuantized.
+    Raises:
+        ValueError: shape mismatch, unsupported bits, group_size < 1, N or D not a multiple of group_size.
+    """
+    _check_bits(bits)
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must both be [N, H, D]")
+    n, h, d = k.shape
+    if group_size < 1 or n % group_size or d % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide N={n} and D={d}")
+    packed_bytes(d, bits)
+    kg = k.float().reshape(n // group_size, group_size, h, d)
+    k_codes, k_scale, k_zero = _uniform_group(kg, bits, dim=1)
+    vg = v.float().reshape(n, h, d // group_size, group_size)
+    v_codes, v_scale, v_zero = _uniform_group(vg, bits, dim=3)
+    return KiviQuantized(
+        bits=bits, group_size=group_size,
+        k_codes=pack_codes(k_codes.reshape(n, h, d), bits), k_scale=k_scale.squeeze(1), k_zero=k_zero.squeeze(1),
+        v_codes=pack_codes(v_codes.reshape(n, h, d), bits), v_scale=v_scale.squeeze(3), v_zero=v_zero.squeeze(3),
+    )
+
+
+def kivi_dequantize(q: KiviQuantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `kivi_quantize`: returns (k, v), each [N, H, D] fp32."""
+    n, h, p = q.k_codes.shape
+    d, g = p * 8 // q.bits, q.group_size
+    kc = unpack_codes(q.k_codes, q.bits, d).float().reshape(n // g, g, h, d)
+    k = kc * q.k_scale.float().unsqueeze(1) + q.k_zero.float().unsqueeze(1)
+    vc = unpack_codes(q.v_codes, q.bits, d).float().reshape(n, h, d // g, g)
+    v = vc * q.v_scale.float().unsqueeze(3) + q.v_zero.float().unsqueeze(3)
+    return k.reshape(n, h, d), v.reshape(n, h, d)

@@ -1,0 +1,380 @@
+"""Paged decode attention over quantized KV blocks (KVQuant, arXiv 2401.18079), reference and Triton.
+
+One decode step for B sequences: each query head attends, in this order of positions, to
+  1. the full-precision sink prefix: positions [0, sink_lens[b]), dense post-RoPE K and V;
+  2. the sealed quantized blocks: positions sink_lens[b] + [0, context_lens[b]); token t lives in block
+     block_tables[b, t // S] at slot t % S of `KVPages` (layout in kernels/kv_quant.py). Keys are stored
+     before RoPE, so they are dequantized, then rotated at their sequence position;
+  3. the full-precision unsealed tail (the block being filled): tail_lens[b] tokens, dense post-RoPE K and V.
+Softmax runs over the union of the three. A sequence with no token at all gets a zero output.
+
+RoPE follows HF Llama/Qwen (rotate-half): `x * cos[pos] + rotate_half(x) * sin[pos]`,
+`rotate_half(x) = cat(-x[D/2:], x[:D/2])`, cos/sin [max_pos, D].
+
+`paged_decode_attention_ref` dequantizes one sequence's blocks at a time with the PyTorch functions of
+kv_quant. `paged_decode_attention_triton` runs one program per (sequence, KV head) and serves all H_q / H_kv
+query heads of the group from one dequantization: it walks the block table, unpacks codes from uint8 in
+registers, looks levels up in the codebook, applies scales, outliers and RoPE, and folds each block into a
+flash-decoding online softmax. No dense copy of the cache is ever made.
+
+Shape legend: B = sequences, Hq = query heads, H = KV heads, D = head_dim, S = block_size,
+NB = blocks in the pool, M = max blocks per sequence, Ns = sink tokens, Nt = tail tokens, Pmax = max_pos,
+P = packed bytes per token and head, Ok / Ov = outlier channels per head.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_quant import KVPages, KVQuantProfile, dequantize_keys, dequantize_values
+
+
+def rope_tables(max_pos: int, head_dim: int, *, base: float = 10000.0,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-style RoPE tables: (cos, sin), each [max_pos, D] fp32, with the half-frequencies repeated.
+
+    Raises: ValueError if head_dim is odd or max_pos < 1.
+    """
+    if head_dim % 2 or max_pos < 1:
+        raise ValueError(f"head_dim={head_dim} must be even and max_pos={max_pos} >= 1")
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32, device=device), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [..., N, H, D]; cos, sin [N, D] (already indexed by position). Returns fp32."""
+    x = x.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+def _validate(q, pages: KVPages, block_tables, context_lens, profile: KVQuantProfile, cos, sin,
+              sink_k, sink_v, sink_lens, tail_k, tail_v, tail_lens):
+    """Shape checks shared by both implementations; returns (B, Hq, H, D)."""
+    if q.dim() != 3:
+        raise ValueError(f"q.shape={tuple(q.shape)} must be [B, Hq, D]")
+    b, hq, d = q.shape
+    h = profile.num_kv_heads
+    if d != profile.head_dim:
+        raise ValueError(f"q head_dim={d} != profile.head_dim={profile.head_dim}")
+    if hq % h:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads H={h}")
+    if pages.k_codes.shape[1] != h or pages.k_codes.shape[3] != profile.packed_bytes:
+        raise ValueError(f"pages.k_codes.shape={tuple(pages.k_codes.shape)} does not match the profile "
+                         f"(H={h}, P={profile.packed_bytes})")
+    if pages.k_outliers.shape[-1] != profile.n_outlier_k or pages.v_outliers.shape[-1] != profile.n_outlier_v:
+        raise ValueError("pages outlier widths do not match profile.k_outlier_idx / v_outlier_idx")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b:
+        raise ValueError(f"block_tables.shape={tuple(block_tables.shape)} must be [B={b}, M]")
+    if context_lens.shape != (b,):
+        raise ValueError(f"context_lens.shape={tuple(context_lens.shape)} must be [B={b}]")
+    if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape:
+        raise ValueError(f"cos.shape={tuple(cos.shape)}, sin.shape={tuple(sin.shape)} must be [max_pos, D={d}]")
+    for name, k, v, lens in (("sink", sink_k, sink_v, sink_lens), ("tail", tail_k, tail_v, tail_lens)):
+        if (k is None) != (v is None):
+            raise ValueError(f"{name}_k and {name}_v must be given together")
+        if k is None:
+            if lens is not None:
+                raise ValueError(f"{name}_lens given without {name}_k / {name}_v")
+            continue
+        if k.dim() != 4 or k.shape[0] != b or k.shape[2:] != (h, d) or v.shape != k.shape:
+            raise ValueError(f"{name}_k.shape={tuple(k.shape)}, {name}_v.shape={tuple(v.shape)} must be "
+                             f"[B={b}, N, H={h}, D={d}]")
+        if lens is not None and lens.shape != (b,):
+            raise ValueError(f"{name}_lens.shape={tuple(lens.shape)} must be [B={b}]")
+    if tail_k is not None and tail_lens is None:
+        raise ValueError("tail_lens is required with tail_k / tail_v")
+    return b, hq, h, d
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    profile: KVQuantProfile,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float,
+    *,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    tail_k: torch.Tensor | None = None,
+    tail_v: torch.Tensor | None = None,
+    tail_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over sink + quantized paged blocks + tail, in PyTorch (the contract's reference).
+
+    Args:
+        q: [B, Hq, D] fp32/fp16/bf16, queries already rotated by RoPE.
+        pages: KVPages of the layer (k_codes/v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16,
+            k_outliers [NB, S, H, Ok] fp16, v_outliers [NB, S, H, Ov] fp16); keys quantized BEFORE RoPE.
+        block_tables: [B, M] int32 block ids; entries past ceil(context_lens[b] / S) are ignored.
+        context_lens: [B] int32, sealed quantized tokens per sequence.
+        profile: the layer's KVQuantProfile.
+        cos, sin: [Pmax, D] fp32 RoPE tables; every quantized position sink_lens[b] + t must be < Pmax.
+        scale: softmax scale (usually D ** -0.5).
+        sink_k, sink_v: optional [B, Ns, H, D] full-precision sink prefix (K post-RoPE).
+        sink_lens: optional [B] int32 valid sink tokens (default Ns when sinks are given, else 0).
+        tail_k, tail_v: optional [B, Nt, H, D] full-precision unsealed tail (K post-RoPE).
+        tail_lens: [B] int32 valid tail tokens, required with tail_k.
+    Returns:
+        [B, Hq, D] in q.dtype; zeros for a sequence with no tokens.
+    Raises:
+        ValueError: naming the argument whose shape is inconsistent, Hq not a multiple of H, or a position
+        beyond the RoPE table (reference only; the kernel does not synchronise to check).
+    """
+    b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin,
+                            sink_k, sink_v, sink_lens, tail_k, tail_v, tail_lens)
+    group = hq // h
+    s = pages.block_size
+    out = torch.zeros(b, hq, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        ks, vs = [], []
+        n_sink = 0
+        if sink_k is not None:
+            n_sink = int(sink_lens[i]) if sink_lens is not None else sink_k.shape[1]
+            ks.append(sink_k[i, :n_sink].float())
+            vs.append(sink_v[i, :n_sink].float())
+        ctx = int(context_lens[i])
+        if ctx:
+            if n_sink + ctx > cos.shape[0]:
+                raise ValueError(f"sequence {i}: position {n_sink + ctx - 1} exceeds the RoPE table "
+                                 f"(max_pos={cos.shape[0]})")
+            n_blk = -(-ctx // s)
+            blocks = block_tables[i, :n_blk].long()
+            k_codes = pages.k_codes[blocks].transpose(1, 2).reshape(n_blk * s, h, -1)[:ctx]  # [ctx, H, P]
+            v_codes = pages.v_codes[blocks].transpose(1, 2).reshape(n_blk * s, h, -1)[:ctx]
+            k_out = pages.k_outliers[blocks].reshape(n_blk * s, h, -1)[:ctx]
+            v_out = pages.v_outliers[blocks].reshape(n_blk * s, h, -1)[:ctx]
+            v_scale = pages.v_scale[blocks].reshape(n_blk * s, h)[:ctx]
+            pos = torch.arange(n_sink, n_sink + ctx, device=q.device)
+            ks.append(apply_rope(dequantize_keys(k_codes, k_out, profile), cos[pos].float(), sin[pos].float()))
+            vs.append(dequantize_values(v_codes, v_scale, v_out, profile))
+        if tail_k is not None:
+            n_tail = int(tail_lens[i])
+            ks.append(tail_k[i, :n_tail].float())
+            vs.append(tail_v[i, :n_tail].float())
+        k_all = torch.cat(ks) if ks else q.new_zeros(0, h, d, dtype=torch.float32)  # [T, H, D]
+        v_all = torch.cat(vs) if vs else q.new_zeros(0, h, d, dtype=torch.float32)
+        if k_all.shape[0] == 0:
+            continue
+        q_GhD = q[i].float().reshape(h, group, d)
+        scores = torch.einsum("hgd,thd->hgt", q_GhD, k_all) * scale
+        probs = scores.softmax(dim=-1)
+        out[i] = torch.einsum("hgt,thd->hgd", probs, v_all).reshape(hq, d)
+    return out.to(q.dtype)
+
+
+@triton.jit
+def _unpack(ptr, row_T, chan_C, mask_T, BITS: tl.constexpr, P: tl.constexpr):
+    """[T, C] int32 codes of channels chan_C from packed rows starting at byte offsets row_T."""
+    bit = chan_C * BITS
+    byte = bit // 8
+    shift = bit % 8
+    m = mask_T[:, None]
+    word = tl.load(ptr + row_T[:, None] + byte[None, :], mask=m, other=0).to(tl.int32)
+    if BITS == 3:
+        # 3-bit codes may straddle two bytes; the last byte of a row has no successor.
+        nxt = tl.load(ptr + row_T[:, None] + byte[None, :] + 1, mask=m & (byte[None, :] + 1 < P), other=0)
+        word = word | (nxt.to(tl.int32) << 8)
+    return (word >> shift[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _online_softmax_step(q1, q2, k1, k2, v, valid_T, m_i, l_i, acc, sm_scale):
+    """Fold one tile of T keys/values into the running (max, sum, acc) of BLOCK_G query heads.
+
+    q1, q2 [G, D/2] and k1, k2 [T, D/2] are the two RoPE halves; v [T, D].
+    """
+    s = tl.sum(q1[:, None, :] * k1[None, :, :], axis=2) + tl.sum(q2[:, None, :] * k2[None, :, :], axis=2)
+    s = tl.where(valid_T[None, :], s * sm_scale, float("-inf"))  # [G, T]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _dense_tile(q1, q2, k_ptr, v_ptr, seq, n_max, n_valid, m_i, l_i, acc, sm_scale,
+                H: tl.constexpr, head, D: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Attend to a dense post-RoPE [B, n_max, H, D] buffer (sink or tail), first n_valid tokens."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, D)
+    for start in range(0, n_valid, BLOCK_N):
+        tok = start + offs_n
+        valid = tok < n_valid
+        row = ((seq * n_max + tok) * H + head).to(tl.int64) * D
+        m2 = valid[:, None]
+        k1 = tl.load(k_ptr + row[:, None] + offs_h[None, :], mask=m2, other=0.0).to(tl.float32)
+        k2 = tl.load(k_ptr + row[:, None] + HALF + offs_h[None, :], mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        m_i, l_i, acc = _online_softmax_step(q1, q2, k1, k2, v, valid, m_i, l_i, acc, sm_scale)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, out_ptr,
+    k_codes_ptr, v_codes_ptr, v_scale_ptr, k_out_ptr, v_out_ptr,
+    k_cb_ptr, v_cb_ptr, k_scale_ptr, k_zero_ptr, v_zero_ptr, k_slot_ptr, v_slot_ptr,
+    block_tables_ptr, context_lens_ptr, cos_ptr, sin_ptr,
+    sink_k_ptr, sink_v_ptr, sink_lens_ptr, tail_k_ptr, tail_v_ptr, tail_lens_ptr,
+    sm_scale, max_blocks, n_sink_max, n_tail_max,
+    H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+    N_OUT_K: tl.constexpr, N_OUT_V: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, D)
+    g_mask = offs_g < GROUP
+    q_row = ((seq * H + head) * GROUP + offs_g) * D  # query heads of this KV head are contiguous
+    q1 = tl.load(q_ptr + q_row[:, None] + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + q_row[:, None] + HALF + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32)
+
+    # Finite start so a fully masked tile gives exp(-inf - m) = 0 rather than NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+
+    n_sink = 0
+    if HAS_SINK:
+        n_sink = tl.load(sink_lens_ptr + seq)
+        m_i, l_i, acc = _dense_tile(q1, q2, sink_k_ptr, sink_v_ptr, seq, n_sink_max, n_sink, m_i, l_i, acc,
+                                    sm_scale, H, head, D, HALF, BLOCK_N)
+
+    ks1 = tl.load(k_scale_ptr + head * D + offs_h)
+    ks2 = tl.load(k_scale_ptr + head * D + HALF + offs_h)
+    kz1 = tl.load(k_zero_ptr + head * D + offs_h)
+    kz2 = tl.load(k_zero_ptr + head * D + HALF + offs_h)
+    kslot1 = tl.load(k_slot_ptr + head * D + offs_h)
+    kslot2 = tl.load(k_slot_ptr + head * D + HALF + offs_h)
+    vslot = tl.load(v_slot_ptr + head * D + offs_d)
+    vz = tl.load(v_zero_ptr + head * D + offs_d)
+
+    ctx = tl.load(context_lens_ptr + seq)
+    offs_t = tl.arange(0, BLOCK_S)
+    in_block = offs_t < S
+    for j in range(0, tl.cdiv(ctx, S)):
+        blk = tl.load(block_tables_ptr + seq * max_blocks + j).to(tl.int64)
+        tok = j * S + offs_t
+        valid = in_block & (tok < ctx)
+        code_row = ((blk * H + head) * S + offs_t) * P  # [T] byte offset of each token's packed row
+        side_row = (blk * S + offs_t) * H + head  # [T] index into [NB, S, H, ...] side arrays
+        m2 = valid[:, None]
+
+        k1 = tl.load(k_cb_ptr + _unpack(k_codes_ptr, code_row, offs_h, valid, BITS, P)) * ks1[None, :] + kz1[None, :]
+        k2 = tl.load(k_cb_ptr + _unpack(k_codes_ptr, code_row, HALF + offs_h, valid, BITS, P)) * ks2[None, :] \
+            + kz2[None, :]
+        if N_OUT_K > 0:
+            o1 = tl.load(k_out_ptr + side_row[:, None] * N_OUT_K + kslot1[None, :],
+                         mask=m2 & (kslot1[None, :] >= 0), other=0.0).to(tl.float32)
+            o2 = tl.load(k_out_ptr + side_row[:, None] * N_OUT_K + kslot2[None, :],
+                         mask=m2 & (kslot2[None, :] >= 0), other=0.0).to(tl.float32)
+            k1 = tl.where(kslot1[None, :] >= 0, o1, k1)
+            k2 = tl.where(kslot2[None, :] >= 0, o2, k2)
+        # Keys were quantized before RoPE; rotate at sequence position sink + t.
+        pos = (n_sink + tok).to(tl.int64) * D
+        c1 = tl.load(cos_ptr + pos[:, None] + offs_h[None, :], mask=m2, other=0.0)
+        c2 = tl.load(cos_ptr + pos[:, None] + HALF + offs_h[None, :], mask=m2, other=0.0)
+        s1 = tl.load(sin_ptr + pos[:, None] + offs_h[None, :], mask=m2, other=0.0)
+        s2 = tl.load(sin_ptr + pos[:, None] + HALF + offs_h[None, :], mask=m2, other=0.0)
+        k1r = k1 * c1 - k2 * s1
+        k2r = k2 * c2 + k1 * s2
+
+        vsc = tl.load(v_scale_ptr + side_row, mask=valid, other=0.0).to(tl.float32)
+        v = tl.load(v_cb_ptr + _unpack(v_codes_ptr, code_row, offs_d, valid, BITS, P)) * vsc[:, None] + vz[None, :]
+        if N_OUT_V > 0:
+            ov = tl.load(v_out_ptr + side_row[:, None] * N_OUT_V + vslot[None, :],
+                         mask=m2 & (vslot[None, :] >= 0), other=0.0).to(tl.float32)
+            v = tl.where(vslot[None, :] >= 0, ov, v)
+        m_i, l_i, acc = _online_softmax_step(q1, q2, k1r, k2r, v, valid, m_i, l_i, acc, sm_scale)
+
+    if HAS_TAIL:
+        n_tail = tl.load(tail_lens_ptr + seq)
+        m_i, l_i, acc = _dense_tile(q1, q2, tail_k_ptr, tail_v_ptr, seq, n_tail_max, n_tail, m_i, l_i, acc,
+                                    sm_scale, H, head, D, HALF, BLOCK_N)
+
+    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    tl.store(out_ptr + q_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    pages: KVPages,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    profile: KVQuantProfile,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float,
+    *,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | None = None,
+    tail_k: torch.Tensor | None = None,
+    tail_v: torch.Tensor | None = None,
+    tail_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of `paged_decode_attention_ref`, same arguments, shapes, dtypes and result.
+
+    Grid: (B, H); each program serves the Hq / H query heads of one KV head. Extra constraint: D must be
+    a power of two (tl.arange). Positions are not checked against the RoPE table (no host sync); loads
+    beyond it are undefined as in any paged kernel. Runs on CUDA tensors, or on CPU tensors under
+    TRITON_INTERPRET=1 (set before importing this module; fp32/fp16 only, the interpreter is wrong for bf16).
+
+    Raises:
+        ValueError: as the reference, and if D is not a power of two.
+        RuntimeError: CPU tensors without TRITON_INTERPRET=1.
+    """
+    b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin,
+                            sink_k, sink_v, sink_lens, tail_k, tail_v, tail_lens)
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError(f"paged_decode_attention_triton needs CUDA tensors or TRITON_INTERPRET=1 set before "
+                           f"importing triton (q is on {q.device})")
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"head_dim={d} must be a power of two for the Triton kernel")
+    group = hq // h
+    dev = q.device
+    out = torch.empty(b, hq, d, dtype=q.dtype, device=dev)
+    i32 = torch.int32
+    has_sink, has_tail = sink_k is not None, tail_k is not None
+    dummy_f = q.new_zeros(1)
+    dummy_i = torch.zeros(1, dtype=i32, device=dev)
+    if has_sink and sink_lens is None:
+        sink_lens = torch.full((b,), sink_k.shape[1], dtype=i32, device=dev)
+    s = pages.block_size
+    _paged_decode_kernel[(b, h)](
+        q.contiguous(), out,
+        pages.k_codes.contiguous(), pages.v_codes.contiguous(), pages.v_scale.contiguous(),
+        pages.k_outliers.contiguous(), pages.v_outliers.contiguous(),
+        profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
+        profile.outlier_slots("k"), profile.outlier_slots("v"),
+        block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
+        cos.float().contiguous(), sin.float().contiguous(),
+        sink_k.contiguous() if has_sink else dummy_f, sink_v.contiguous() if has_sink else dummy_f,
+        sink_lens.to(i32).contiguous() if has_sink else dummy_i,
+        tail_k.contiguous() if has_tail else dummy_f, tail_v.contiguous() if has_tail else dummy_f,
+        tail_lens.to(i32).contiguous() if has_tail else dummy_i,
+        float(scale), block_tables.shape[1],
+        sink_k.shape[1] if has_sink else 0, tail_k.shape[1] if has_tail else 0,
+        H=h, GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=d, HALF=d // 2,
+        BITS=profile.bits, P=profile.packed_bytes, S=s, BLOCK_S=triton.next_power_of_2(s),
+        N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
+        HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16,
+    )
+    return out

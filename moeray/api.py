@@ -1,0 +1,77 @@
+"""`LLM`: start (or join) Ray, bring up the EP cluster and router, generate, shut down."""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from actors.sampling import SamplingParams
+from cluster.config import ClusterConfig
+from cluster.launcher import EPCluster
+from router_service.router import RequestOutput, RequestStream, Router
+
+log = logging.getLogger("moeray")
+
+
+class LLM:
+    """An expert-parallel cluster serving one model.
+
+    Args:
+        model: folder with config.json, *.safetensors, tokenizer.json (default: the shipped tiny-moe).
+        ranks: EP world size (default 2 on CPU, one per GPU on CUDA).
+        address: Ray cluster address; else RAY_ADDRESS; else a private local Ray is started and
+            stopped by `shutdown()`.
+        **cluster_kw: any `ClusterConfig` field (dtype, max_model_len, max_num_seqs, kv_cache_bytes, ...).
+    Raises:
+        ValueError: bad configuration (names the field). TimeoutError: ranks cannot be placed.
+    """
+
+    def __init__(self, model: str | None = None, ranks: int | None = None, address: str | None = None,
+                 max_queue: int = 1024, **cluster_kw):
+        if model is not None:
+            cluster_kw["model"] = model
+        if ranks is not None:
+            cluster_kw["ranks"] = ranks
+        self.config = ClusterConfig.auto(**{k: v for k, v in cluster_kw.items() if v is not None})
+        self._started_ray = False
+        if not ray.is_initialized():
+            addr = address or os.environ.get("RAY_ADDRESS")
+            if addr:
+                ray.init(address=addr, log_to_driver=False)
+            else:
+                need = self.config.ranks * self.config.num_cpus_per_rank
+                ray.init(num_cpus=max(2, int(need + 1.999)), include_dashboard=False, log_to_driver=False)
+                self._started_ray = True
+        try:
+            self.cluster = EPCluster(self.config)
+        except BaseException:
+            if self._started_ray:
+                ray.shutdown()
+            raise
+        self.router = Router(self.cluster, max_queue=max_queue)
+
+    def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids), in order. A rejected prompt
+        gets `finish_reason == "error"` with the reason; the others are served."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self.router.generate(prompts, params or SamplingParams())
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
+        """Submit one prompt; iterate the returned stream for token outputs as they are produced."""
+        return self.router.submit(prompt, params or SamplingParams())
+
+    def stats(self) -> dict:
+        return self.router.stats()
+
+    def shutdown(self) -> None:
+        self.router.close()
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,92 @@
+"""`moeray` command line. stdout carries completions only; logs go to stderr."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from cluster.config import DEFAULT_MODEL
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for PROMPTs through the EP cluster",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 2 on CPU, one per GPU)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window in tokens (default: min(1024, the model's max_position_embeddings))")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
+
+
+def cmd_generate(a) -> int:
+    from actors.sampling import SamplingParams
+    from moeray.api import LLM
+
+    try:
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                                seed=a.seed, stop=a.stop)
+    except ValueError as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
+    try:
+        llm = LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        outs = llm.generate(a.prompts, params)
+        if a.stats:
+            print_stats(llm.stats(), sys.stderr)
+    finally:
+        llm.shutdown()
+    failed = 0
+    for o in outs:
+        if o.finish_reason == "error":
+            failed += 1
+            print(f"moeray: prompt {o.prompt!r} failed: {o.error}", file=sys.stderr)
+        if a.json:
+            print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}))
+        elif o.finish_reason != "error":
+            print(o.text)
+    sys.stdout.flush()
+    return 1 if failed else 0
+
+
+def print_stats(s: dict, f) -> None:
+    print("layer  tokens  expert max/mean  rank max/mean", file=f)
+    for row in s["layers"]:
+        print(f"{row['layer']:>5}  {row['tokens']:>6}  {row['expert_max_mean']:>15.3f}  {row['rank_max_mean']:>13.3f}", file=f)
+    print(f"KV blocks free {s['kv_blocks_free']}/{s['kv_blocks_total']}", file=f)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="moeray", description="Expert-parallel MoE serving on Ray")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MOERAY_LOG", "WARNING"), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if a.cmd == "generate":
+        return cmd_generate(a)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

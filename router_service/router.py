@@ -1,0 +1,233 @@
+"""Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
+
+One poller thread per rank long-polls `RankWorker.poll` and routes each `TokenOutput` to its
+request's stream. A request's stream ends with exactly one output whose `finish_reason` is set.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+from tokenizers import Tokenizer
+
+from actors.messages import GenerateRequest, TokenOutput, decode_outputs
+from actors.sampling import SamplingParams
+from cluster.launcher import EPCluster
+from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+
+log = logging.getLogger("moeray.router")
+
+
+@dataclass(kw_only=True, slots=True)
+class RequestOutput:
+    """Final result of one request: generated `text`, `token_ids` (EOS excluded), `finish_reason`
+    (`stop` | `length` | `abort` | `error`), `error` message if any, and timing in seconds."""
+
+    request_id: str
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    ttft_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+class RequestStream:
+    """Outputs of one request as they arrive (thread-safe). Iterate for `TokenOutput`s; `result()`
+    waits for the end. `cancel()` aborts it on its rank and frees its KV blocks."""
+
+    def __init__(self, router: "Router", request_id: str, prompt, rank: int, prompt_tokens: int, cost: int):
+        self.router, self.request_id, self.rank = router, request_id, rank
+        self.out = RequestOutput(request_id=request_id, prompt=prompt, prompt_tokens=prompt_tokens)
+        self.q: queue.Queue[TokenOutput] = queue.Queue()
+        self.t0 = time.perf_counter()
+        self.cost = cost
+        self.done = threading.Event()
+
+    def _push(self, o: TokenOutput) -> None:
+        now = time.perf_counter() - self.t0
+        if o.token_ids:
+            if self.out.ttft_s is None:
+                self.out.ttft_s = now
+            self.out.token_times.extend([now] * len(o.token_ids))
+        self.out.token_ids.extend(o.token_ids)
+        self.out.text += o.text
+        if o.finish_reason is not None:
+            self.out.finish_reason = o.finish_reason
+            self.out.error = o.error
+            self.done.set()
+        self.q.put(o)
+
+    def __iter__(self):
+        while True:
+            o = self.q.get()
+            yield o
+            if o.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
+        return self.out
+
+    def cancel(self) -> None:
+        self.router.abort(self.request_id)
+
+
+class Router:
+    """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
+
+    Args:
+        cluster: a running `EPCluster`. max_queue: in-flight requests at most before refusing.
+    Raises (from `submit`):
+        InvalidRequestError: empty prompt, token ids out of vocab, prompt + max_tokens over
+            max_model_len (the message names the field and the limit).
+        OverloadedError: more than `max_queue` requests in flight.
+    """
+
+    def __init__(self, cluster: EPCluster, max_queue: int = 1024):
+        self.cluster = cluster
+        self.cfg = cluster.cfg
+        self.tokenizer = Tokenizer.from_file(f"{self.cfg.model}/tokenizer.json")
+        self.vocab_size = cluster.model_config.vocab_size
+        self.max_queue = max_queue
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
+        self._rank_cost = [0] * self.cfg.ranks
+        self._closed = False
+        self._pollers = [threading.Thread(target=self._poll_rank, args=(i,), daemon=True, name=f"poll-rank{i}")
+                         for i in range(self.cfg.ranks)]
+        for t in self._pollers:
+            t.start()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "prompt is empty")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise InvalidRequestError("prompt", f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
+        if not ids:
+            raise InvalidRequestError("prompt", "prompt is empty (0 tokens)")
+        L = self.cfg.max_model_len
+        if len(ids) >= L:
+            raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; the context window is {L}")
+        if len(ids) + params.max_tokens > L:
+            raise InvalidRequestError("max_tokens", f"max_tokens={params.max_tokens} exceeds the context window "
+                                                    f"({L} - {len(ids)} prompt tokens = {L - len(ids)})")
+        return ids
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        ids = self.validate(prompt, params)
+        rid = request_id or uuid.uuid4().hex
+        cost = len(ids) + params.max_tokens
+        with self._lock:
+            if self._closed:
+                raise EngineError("router is shut down")
+            if len(self._streams) >= self.max_queue:
+                raise OverloadedError(f"{len(self._streams)} requests in flight; the queue limit is {self.max_queue}")
+            if rid in self._streams:
+                raise InvalidRequestError("request_id", f"request_id={rid!r} is already in flight")
+            rank = min(range(self.cfg.ranks), key=lambda r: (self._rank_cost[r], r))
+            self._rank_cost[rank] += cost
+            stream = RequestStream(self, rid, prompt, rank, len(ids), cost)
+            self._streams[rid] = stream
+            seq = next(self._seq)
+        msg = GenerateRequest(request_id=rid, prompt_ids=ids, params=params.to_dict(), arrival=time.time()).encode()
+        try:
+            ray.get(self.cluster.ranks[rank].add_request.remote(msg, seq), timeout=30)
+        except Exception as e:  # noqa: BLE001
+            self._finish(rid)
+            raise EngineError(f"rank {rank} refused the request: {e}") from e
+        self._wake_others(rank, seq)
+        return stream
+
+    def _wake_others(self, rank: int | None, seq: int) -> None:
+        for i, r in enumerate(self.cluster.ranks):
+            if i != rank:
+                r.wake.remote(seq)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            seq = next(self._seq)
+        if stream is None:
+            return
+        self.cluster.ranks[stream.rank].abort.remote(request_id, seq)
+        self._wake_others(stream.rank, seq)
+
+    def _finish(self, rid: str) -> RequestStream | None:
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._rank_cost[stream.rank] -= stream.cost
+        return stream
+
+    def _poll_rank(self, rank: int) -> None:
+        actor = self.cluster.ranks[rank]
+        while not self._closed:
+            try:
+                outs = decode_outputs(ray.get(actor.poll.remote(1.0), timeout=60))
+            except Exception as e:  # noqa: BLE001 - the rank died: fail what it held
+                if self._closed:
+                    return
+                self._fail_rank(rank, f"rank {rank} unreachable: {type(e).__name__}: {e}")
+                time.sleep(0.5)
+                continue
+            for o in outs:
+                with self._lock:
+                    stream = self._streams.get(o.request_id)
+                if stream is None:
+                    continue
+                stream._push(o)
+                if o.finish_reason is not None:
+                    self._finish(o.request_id)
+
+    def _fail_rank(self, rank: int, err: str) -> None:
+        with self._lock:
+            victims = [s for s in self._streams.values() if s.rank == rank]
+        for s in victims:
+            s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+            self._finish(s.request_id)
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Submit all prompts, wait for all; a bad prompt yields an `error` output, the rest go on."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        streams: list[RequestStream | RequestOutput] = []
+        for p, sp in zip(prompts, plist):
+            try:
+                streams.append(self.submit(p, sp))
+            except (InvalidRequestError, OverloadedError, EngineError) as e:
+                streams.append(RequestOutput(request_id="", prompt=p, finish_reason="error", error=str(e)))
+        return [s.result() if isinstance(s, RequestStream) else s for s in streams]
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def stats(self) -> dict:
+        s = self.cluster.stats()
+        s["in_flight"] = self.in_flight
+        return s
+
+    def close(self) -> None:
+        self._closed = True
+        seq = next(self._seq)
+        self.cluster.shutdown(seq)
+        for t in self._pollers:
+            t.join(timeout=5)
