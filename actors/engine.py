@@ -43,10 +43,25 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batched_tokens: int = 4096
     num_threads: int = 0  # 0: leave torch's default
+    kernel_backend: str = "torch"  # "torch" (PyTorch reference) | "triton"
+    # KV cache: kv_bits None = full precision; 2/3/4 = quantized with profile `kv_profile`
+    kv_bits: int | None = None
+    kv_profile: str | None = None
+    # routed experts: weight_bits None = as in the checkpoint; 2/3/4 = packed at load time
+    weight_bits: int | None = None
+    weight_group_size: int = 64
+    expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: all)
+    prefetch: str = "none"  # expert prefetch predictor name
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.kernel_backend not in ("torch", "triton"):
+            raise ValueError(f"kernel_backend={self.kernel_backend!r} must be torch or triton")
+        for name in ("kv_bits", "weight_bits"):
+            b = getattr(self, name)
+            if b is not None and b not in (2, 3, 4):
+                raise ValueError(f"{name}={b} must be 2, 3 or 4 (or unset for full precision)")
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -79,13 +94,8 @@ class RankEngine:
         weights = load_rank_weights(cfg.model, mc, local, dtype)
         self.dispatcher = AllToAllDispatcher(placement, rank, group)
         self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_blocks = cfg.kv_cache_bytes // per_block
-        need = -(-cfg.max_model_len // cfg.block_size)
-        if num_blocks < need:
-            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
-                             f"one max_model_len={cfg.max_model_len} sequence needs {need}")
-        self.cache = PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        self.model.experts = self._build_experts(weights, local)
+        self.cache = self._build_kv_cache()
         self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens)
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
         self.eos = set(mc.eos_token_ids)
@@ -94,6 +104,26 @@ class RankEngine:
         self._aborts: set[str] = set()
         self.outputs: list[TokenOutput] = []
         self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0}
+
+    # ------------------------------------------------------------------------ seams
+    def _build_kv_cache(self):
+        """The KV cache behind `actors.kv_cache.KVCache` (full precision unless kv_bits is set)."""
+        cfg, mc, dtype = self.cfg, self.model_cfg, self.cfg.torch_dtype
+        if cfg.kv_bits is not None:
+            raise ValueError(f"kv_bits={cfg.kv_bits}: the quantized KV cache is not wired into the engine yet")
+        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        num_blocks = cfg.kv_cache_bytes // per_block
+        need = -(-cfg.max_model_len // cfg.block_size)
+        if num_blocks < need:
+            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
+                             f"one max_model_len={cfg.max_model_len} sequence needs {need}")
+        return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+
+    def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
+        """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers)."""
+        if self.cfg.weight_bits is not None:
+            raise ValueError(f"weight_bits={self.cfg.weight_bits}: packed experts are not wired into the engine yet")
+        return self.model.experts
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest) -> None:

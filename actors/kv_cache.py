@@ -58,10 +58,28 @@ class BlockAllocator:
             self.free(b)
 
 
-class PagedKVCache:
+class KVCache:
+    """The seam between attention and KV storage: full precision or quantized, same interface.
+
+    `attend(layer, q, k, v, positions, meta, rotary, scale)` stores the step's new K/V at
+    `meta.slot_mapping` and returns attention of q over each token's sequence (causal). Keys come
+    in before RoPE so a quantized cache can store them pre-RoPE (KVQuant) and rotate after
+    dequantization; q is already rotated. `allocator` hands out the blocks.
+    """
+
+    allocator: BlockAllocator
+    block_size: int
+    num_blocks: int
+
+    def attend(self, layer: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+               positions_T: torch.Tensor, meta, rotary, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PagedKVCache(KVCache):
     """Full-precision paged KV storage: k[l], v[l] of shape [N, S, Hkv, Dh] in the compute dtype.
 
-    Keys are stored after RoPE. `bytes_per_token` = 2 * L * Hkv * Dh * itemsize.
+    Keys are stored after RoPE. `bytes_per_block` = 2 * L * S * Hkv * Dh * itemsize.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -84,3 +102,9 @@ class PagedKVCache:
         H, D = k_THD.shape[1:]
         self.k[layer].view(-1, H, D)[slots_T] = k_THD
         self.v[layer].view(-1, H, D)[slots_T] = v_THD
+
+    def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
+        from actors.attention import paged_attention_ref
+
+        self.write(layer, rotary.apply(k_THD, positions_T), v_THD, meta.slot_mapping)
+        return paged_attention_ref(q_THD, self.k[layer], self.v[layer], meta, scale)

@@ -15,11 +15,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from actors.attention import AttentionMetadata, paged_attention_ref
+from actors.attention import AttentionMetadata
 from actors.config import ModelConfig
 from actors.dispatch import Dispatcher
 from actors.experts import LocalExperts
-from actors.kv_cache import PagedKVCache
+from actors.kv_cache import KVCache
 from actors.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.gating import topk_softmax_ref
 
@@ -59,7 +59,7 @@ class MoEModel:
         return topk_softmax_ref(logits_TE, self.cfg.top_k, self.cfg.norm_topk_prob)
 
     # ------------------------------------------------------------------------------ blocks
-    def attention(self, l: int, x_TD: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
+    def attention(self, l: int, x_TD: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
                   meta: AttentionMetadata) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{l}."
         T = x_TD.shape[0]
@@ -75,9 +75,8 @@ class MoEModel:
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps), rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
-        q, k = self.rotary.apply(q, positions_T), self.rotary.apply(k, positions_T)
-        cache.write(l, k, v, meta.slot_mapping)
-        o = paged_attention_ref(q, cache.k[l], cache.v[l], meta, self.scale)
+        q = self.rotary.apply(q, positions_T)
+        o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
         return F.linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
     def moe(self, l: int, x_TD: torch.Tensor) -> torch.Tensor:
@@ -95,7 +94,7 @@ class MoEModel:
         return out
 
     # ------------------------------------------------------------------------------ forward
-    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: PagedKVCache,
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Run every layer on the step's flattened tokens; returns final-normed hidden [T, D].
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class ClusterConfig:
     num_threads_per_rank: int = 1
     pg_timeout_s: float = 10.0
     placement_strategy: str = "PACK"
+    engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -57,7 +58,8 @@ class ClusterConfig:
     def engine_config(self) -> dict:
         return {"model": self.model, "dtype": self.dtype, "block_size": self.block_size,
                 "kv_cache_bytes": self.kv_cache_bytes, "max_model_len": self.max_model_len,
-                "max_num_seqs": self.max_num_seqs, "max_batched_tokens": self.max_batched_tokens}
+                "max_num_seqs": self.max_num_seqs, "max_batched_tokens": self.max_batched_tokens,
+                **self.engine_options}
 
     @classmethod
     def auto(cls, **kw) -> "ClusterConfig":

@@ -30,6 +30,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
+    p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(a) -> int:
@@ -75,17 +76,29 @@ def print_stats(s: dict, f) -> None:
     print(f"KV blocks free {s['kv_blocks_free']}/{s['kv_blocks_total']}", file=f)
 
 
+# Other subcommands live in their own modules, each with `add_parser(subparsers)` that calls
+# `set_defaults(func=handler)`; a module that is absent is simply not offered.
+SUBCOMMAND_MODULES = ("moeray.cli_quantize", "moeray.cli_calibrate", "moeray.cli_serve", "moeray.cli_top")
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     ap = argparse.ArgumentParser(prog="moeray", description="Expert-parallel MoE serving on Ray")
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        mod.add_parser(sub)
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MOERAY_LOG", "WARNING"), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    if a.cmd == "generate":
-        return cmd_generate(a)
-    return 2
+    return int(a.func(a) or 0)
 
 
 if __name__ == "__main__":
