@@ -103,6 +103,7 @@ class RankEngine:
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self.outputs: list[TokenOutput] = []
+        self._kv_profile_of: dict[str, str] = {}  # request id -> KV quantization profile (quantized cache only)
         self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0}
 
     # ------------------------------------------------------------------------ seams
@@ -110,7 +111,9 @@ class RankEngine:
         """The KV cache behind `actors.kv_cache.KVCache` (full precision unless kv_bits is set)."""
         cfg, mc, dtype = self.cfg, self.model_cfg, self.cfg.torch_dtype
         if cfg.kv_bits is not None:
-            raise ValueError(f"kv_bits={cfg.kv_bits}: the quantized KV cache is not wired into the engine yet")
+            from actors.kv_quant_cache import build_engine_kv_cache
+
+            return build_engine_kv_cache(cfg, mc)
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
         num_blocks = cfg.kv_cache_bytes // per_block
         need = -(-cfg.max_model_len // cfg.block_size)
@@ -120,14 +123,26 @@ class RankEngine:
         return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
 
     def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
-        """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers)."""
-        if self.cfg.weight_bits is not None:
-            raise ValueError(f"weight_bits={self.cfg.weight_bits}: packed experts are not wired into the engine yet")
-        return self.model.experts
+        """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers).
+
+        Packed experts + expert cache + prefetch (`actors.expert_store`) when weight_bits is set or the model
+        folder is a packed checkpoint; `self.expert_runtime` then holds them (None otherwise).
+        """
+        from actors.expert_store import build_engine_experts
+
+        self.expert_runtime = build_engine_experts(self.cfg, self.model_cfg, self.model, weights, local)
+        if self.expert_runtime is None:
+            return self.model.experts
+        return self.expert_runtime.layers
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest) -> None:
-        params = SamplingParams.from_dict(req.params)
+        params_d = dict(req.params)
+        kv_profile = params_d.pop("kv_profile", None)  # a profile name, "auto", or None (engine default)
+        params = SamplingParams.from_dict(params_d)
+        if hasattr(self.cache, "choose_profile"):
+            self._kv_profile_of[req.request_id] = self.cache.choose_profile(
+                kv_profile, self.tokenizer.decode(list(req.prompt_ids)))
         gen = None
         if params.temperature > 0:
             gen = torch.Generator()
@@ -150,6 +165,8 @@ class RankEngine:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
+        for rid in aborts:
+            self._kv_profile_of.pop(rid, None)
         for seq in inbox:
             if seq.request_id in aborts:
                 aborts.discard(seq.request_id)
@@ -200,6 +217,9 @@ class RankEngine:
         batch = self.scheduler.schedule()
         for seq, err in batch.failed:
             self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="error", error=err))
+        for seq in batch.prefills:
+            if seq.request_id in self._kv_profile_of:
+                self.cache.bind(seq.block_table[0], self._kv_profile_of[seq.request_id])
         ids, pos, meta = self._metadata(batch.prefills, batch.decodes)
         t1 = time.perf_counter()
         h = self.model.forward(ids, pos, self.cache, meta)
@@ -235,6 +255,7 @@ class RankEngine:
             elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.cfg.max_model_len:
                 reason = "length"
         if reason is not None:
+            self._kv_profile_of.pop(seq.request_id, None)
             if not seq.detok.stopped:
                 text += seq.detok.flush()
             self.scheduler.finish(seq, reason)

@@ -54,6 +54,8 @@ class MoEModel:
         # per-layer routed-expert token counts of this rank's tokens, [L, E] int64 (routing statistics)
         self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
+        # (layer, h [T, D]) residual stream entering a MoE layer's FFN: lookahead expert prefetch reads it
+        self.on_hidden: Callable[[int, torch.Tensor], None] | None = None
 
     def exact_gating(self, logits_TE: torch.Tensor, x_TD: torch.Tensor, layer: int):
         return topk_softmax_ref(logits_TE, self.cfg.top_k, self.cfg.norm_topk_prob)
@@ -105,6 +107,8 @@ class MoEModel:
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
             h = h + self.attention(l, rms_norm(h, w[p + "input_norm"], cfg.rms_norm_eps), positions_T, cache, meta)
+            if self.on_hidden is not None and cfg.moe_layers[l]:
+                self.on_hidden(l, h)
             x = rms_norm(h, w[p + "post_norm"], cfg.rms_norm_eps)
             h = h + (self.moe(l, x) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
         return rms_norm(h, w["norm"], cfg.rms_norm_eps)

@@ -84,10 +84,16 @@ def _moe_prefix(reader: CheckpointReader, l: int) -> str:
 
 def load_expert_weights(reader: CheckpointReader, cfg: ModelConfig, l: int, experts: Iterable[int],
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack the given experts of layer `l`: returns (w_gate_up [E_loc, 2I, D], w_down [E_loc, D, I])."""
+    """Stack the given experts of layer `l`: returns (w_gate_up [E_loc, 2I, D], w_down [E_loc, D, I]).
+
+    A packed checkpoint (`actors.packed_checkpoint`) has no full-precision experts: both come back with
+    E_loc = 0 and the engine reads the packed experts itself.
+    """
     p = _moe_prefix(reader, l)
     gate_up, down = [], []
     fused = f"{p}.experts.gate_up_proj" in reader
+    if f"{p}.experts.packed.gate_up.qmeta" in reader:
+        experts = []
     for e in experts:
         if fused:
             gu = reader.get_rows(f"{p}.experts.gate_up_proj", e)

@@ -24,7 +24,7 @@ class EPCluster:
         ray.exceptions.RayActorError: a rank failed during setup (message includes the cause).
     """
 
-    def __init__(self, cfg: ClusterConfig, timeout_s: float = 120.0):
+    def __init__(self, cfg: ClusterConfig, timeout_s: float = 300.0):
         self.cfg = cfg
         mc = ModelConfig.from_pretrained(cfg.model)
         self.model_config = mc

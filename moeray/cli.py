@@ -30,6 +30,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
+    p.add_argument("--weight-bits", type=int, default=None, choices=[2, 3, 4],
+                   help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
+    p.add_argument("--expert-cache", type=int, default=None, metavar="C",
+                   help="experts per layer kept dequantized (default: all); the rest run packed")
+    p.add_argument("--prefetch", default="auto", choices=["auto", "none", "frequent", "markov", "lookahead", "hybrid"],
+                   help="expert prefetch predictor (auto: the measured best when the cache is smaller than E)")
+    p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"],
+                   help="packed-expert kernels (triton on CPU needs TRITON_INTERPRET=1, set automatically)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -44,6 +52,14 @@ def cmd_generate(a) -> int:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
+    experts_kw = {"weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
+                  "kernel_backend": a.kernel_backend}
+    kw["engine_options"] = {**kw.get("engine_options", {}), **{k: v for k, v in experts_kw.items() if v is not None}}
+    if a.kernel_backend == "triton":
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the local Ray workers
     try:
         llm = LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)
     except (ValueError, FileNotFoundError) as e:

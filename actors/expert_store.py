@@ -1,0 +1,655 @@
+"""Expert store of one rank: packed sub-4-bit routed experts, a dequantized expert cache, and prefetch.
+
+Shape legend: R = token rows received for this rank's experts, D = hidden, I = expert intermediate,
+E = routed experts of a layer (global), E_loc = this rank's experts of a layer, T = tokens of the step,
+K = experts per token, B = prediction budget per token.
+
+Per MoE layer the rank keeps
+  * its E_loc experts packed (`kernels.packed_weights.PackedExperts`, fused gate_up), always resident;
+  * an `ExpertCache` of up to C_loc of them dequantized in the compute dtype (C experts per layer overall,
+    C_loc = ceil(C * E_loc / E) on this rank).
+A layer call (`PackedLayerExperts`, the `actors.experts.LocalExperts` contract) serves each expert it needs
+from the cache when it is ready there (hit: a dense matmul) and otherwise runs the fused dequant path on the
+packed weights directly (miss: `packed_expert_ffn`, Triton or the PyTorch reference). It never waits for a
+load: experts become ready only through a `PrefetchWorker` thread, which fills the cache with the experts a
+predictor expects at the next layer (and, after a miss, with the missed expert), overlapping the current
+layer's compute. Both paths compute the same function of the same dequantized weights, so they agree to fp32
+rounding (the tests check relative error < 1e-5 and identical greedy tokens at C = E and C = E / 4).
+
+Hooks (`ExpertRuntime.attach`): the model calls `on_hidden(l, h)` before each FFN and `on_route(l, ids)`
+after each gate; the runtime learns the routing online (Markov counts), predicts the next MoE layer's experts
+(k + 1 per token, union over the batch), and submits their prefetch. A wrapper around `model.forward` reads
+the step's `AttentionMetadata` to know which token follows which in a sequence (the first KV block of a
+sequence is its key while it runs).
+
+Sources: expert offloading with an LRU cache and lookahead prefetch (mixtral-offloading, arXiv 2312.17238);
+Markov / affinity-based prefetch (ProMoE arXiv 2410.22134, ExFlow arXiv 2401.08383).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from actors.config import ModelConfig
+from actors.packed_checkpoint import is_packed_checkpoint, load_packed_experts, read_quant_config
+from kernels.packed_weights import PackedExperts, quantize
+from router_service.routing.prefetch import (
+    DEFAULT_PREDICTOR,
+    PREDICTORS,
+    TRANSITIONS_FILE,
+    ExpertPredictor,
+    RoutingTrace,
+    TransitionCounts,
+    make_predictor,
+)
+from router_service.routing.stats import RoutingStats, jaccard_distance
+
+log = logging.getLogger("moeray.experts")
+
+EVICTION_POLICIES = ("lru", "lfu", "predicted")
+
+
+# The Triton interpreter patches `triton.language` globally while a kernel runs, so two threads must not
+# interpret kernels at once (the prefetch worker's dequantize would break the forward's GEMM).
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _serialized(fn: Callable) -> Callable:
+    def run(*a, **kw):
+        with _INTERPRETER_LOCK:
+            return fn(*a, **kw)
+
+    return run
+
+
+def _kernel_ops(backend: str):
+    """(packed_expert_ffn, dequantize) of the backend: "torch" (reference) or "triton"."""
+    if backend == "torch":
+        from kernels import packed_weights as k
+    elif backend == "triton":
+        from kernels import packed_weights_triton as k
+
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            return _serialized(k.packed_expert_ffn), _serialized(k.dequantize)
+    else:
+        raise ValueError(f"kernel_backend={backend!r} must be torch or triton")
+    return k.packed_expert_ffn, k.dequantize
+
+
+class ExpertCache:
+    """Up to `capacity` experts of one layer dequantized and ready; thread-safe.
+
+    Entries are immutable `(w_gate_up [2I, D], w_down [D, I])` pairs: a reader that took a reference keeps a
+    valid tensor even if the entry is evicted meanwhile, so the forward never waits on the worker.
+
+    Eviction (when full): `lru` least recently used; `lfu` least frequently used (ties: LRU); `predicted` the
+    resident expert with the lowest score from the latest prediction for this layer (ties: LRU).
+
+    Args:
+        capacity: experts kept (>= 0). num_experts: E_loc. policy: one of EVICTION_POLICIES.
+        loader: local expert id -> its dequantized pair (called outside the lock, on the worker thread).
+    Raises:
+        ValueError: capacity < 0 or unknown policy.
+    """
+
+    def __init__(self, capacity: int, num_experts: int, policy: str, loader: Callable[[int], tuple]):
+        if capacity < 0:
+            raise ValueError(f"expert cache capacity={capacity} must be >= 0")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy={policy!r} must be one of {EVICTION_POLICIES}")
+        self.capacity, self.num_experts, self.policy, self.loader = capacity, num_experts, policy, loader
+        self._ready: dict[int, tuple] = {}
+        self._last = [0] * num_experts
+        self._uses = [0] * num_experts
+        self._score = [0.0] * num_experts
+        self._tick = 0
+        self._lock = threading.Lock()
+
+    def __contains__(self, e: int) -> bool:
+        return e in self._ready
+
+    @property
+    def resident(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ready)
+
+    def lookup(self, used: list[int]) -> dict[int, tuple]:
+        """Mark `used` as used now; return the ready entries among them (the others are misses)."""
+        with self._lock:
+            self._tick += 1
+            for e in used:
+                self._last[e] = self._tick
+                self._uses[e] += 1
+            return {e: self._ready[e] for e in used if e in self._ready}
+
+    def set_scores(self, scores: dict[int, float]) -> None:
+        """Latest predicted usefulness per local expert (for the `predicted` policy); others score 0."""
+        with self._lock:
+            self._score = [float(scores.get(e, 0.0)) for e in range(self.num_experts)]
+
+    def _victim(self, exclude: set[int]) -> int | None:
+        cands = [e for e in self._ready if e not in exclude]
+        if not cands:
+            return None
+        if self.policy == "lru":
+            return min(cands, key=lambda e: self._last[e])
+        if self.policy == "lfu":
+            return min(cands, key=lambda e: (self._uses[e], self._last[e]))
+        return min(cands, key=lambda e: (self._score[e], self._last[e]))
+
+    def fill(self, e: int, protect: set[int] = frozenset()) -> bool:
+        """Make expert `e` ready, evicting one not in `protect` if full. Returns True if it was loaded now."""
+        with self._lock:
+            if e in self._ready or self.capacity == 0:
+                return False
+            if len(self._ready) >= self.capacity and self._victim(set(protect) | {e}) is None:
+                return False
+        w = self.loader(e)
+        with self._lock:
+            if e in self._ready:
+                return False
+            if len(self._ready) >= self.capacity:
+                v = self._victim(set(protect) | {e})
+                if v is None:
+                    return False
+                del self._ready[v]
+            self._ready[e] = w
+            return True
+
+
+class PrefetchWorker:
+    """One background thread that runs cache fills in submission order (or inline when `sync`).
+
+    On CUDA each fill runs on the worker's own stream and is complete (stream synchronised) before the
+    entry is published, so the forward's stream can use it without an event wait.
+    """
+
+    def __init__(self, sync: bool = False, device: torch.device | None = None):
+        self.sync = sync
+        self.device = device
+        self._q: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stream = None
+        if not sync:
+            if device is not None and device.type == "cuda":
+                self._stream = torch.cuda.Stream(device)
+            self._thread = threading.Thread(target=self._run, name="expert-prefetch", daemon=True)
+            self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self.sync:
+            fn()
+        else:
+            self._q.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            try:
+                if fn is None:
+                    return
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        fn()
+                else:
+                    fn()
+            except Exception:  # noqa: BLE001 - a failed prefetch only costs a miss
+                log.exception("expert prefetch failed")
+            finally:
+                self._q.task_done()
+
+    def wait_idle(self) -> None:
+        """Block until every submitted fill has run (tests, benchmarks)."""
+        if not self.sync:
+            self._q.join()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join(timeout=5)
+
+
+class PackedLayerExperts:
+    """The experts of one layer on this rank: packed weights + expert cache (LocalExperts contract).
+
+    Args:
+        layer: layer index. packed: PackedExperts with fused gate_up `(E_loc, 2I, D)` (None when E_loc = 0).
+        capacity: cache size C_loc. policy: eviction policy. dtype: compute dtype of cached weights.
+        backend: "torch" or "triton". worker: the rank's PrefetchWorker. stats: the rank's RoutingStats.
+        demand_fill: after a miss, also queue the missed expert for the cache.
+    """
+
+    def __init__(self, layer: int, packed: PackedExperts | None, *, capacity: int, policy: str,
+                 dtype: torch.dtype, backend: str, worker: PrefetchWorker, stats: RoutingStats,
+                 demand_fill: bool = True):
+        self.layer, self.packed, self.dtype, self.worker, self.stats = layer, packed, dtype, worker, stats
+        self.num_local = 0 if packed is None else packed.num_experts
+        self.intermediate = 0 if packed is None else packed.intermediate_size
+        self._ffn, self._deq = _kernel_ops(backend)
+        self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
+        self.demand_fill = demand_fill
+        self._lock = threading.Lock()
+        self._pending: set[int] = set()
+        self._prefetched: set[int] = set()  # filled by prefetch since this layer's last call
+
+    def _load(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gu = self._deq(self.packed.gate_up[e], self.dtype)
+        dn = self._deq(self.packed.down[e], self.dtype)
+        if gu.is_cuda:
+            torch.cuda.current_stream(gu.device).synchronize()
+        return gu, dn
+
+    def request(self, experts: list[int], *, protect: set[int], prefetch: bool) -> None:
+        """Queue cache fills for local `experts` (in priority order) on the worker; duplicates are dropped."""
+        with self._lock:
+            todo = [e for e in experts if e not in self._pending and e not in self.cache]
+            self._pending.update(todo)
+        if not todo:
+            return
+
+        def run() -> None:
+            try:
+                for e in todo:
+                    if self.cache.fill(e, protect):
+                        with self._lock:
+                            self.stats.add_fills(self.layer, 1)
+                            if prefetch:
+                                self._prefetched.add(e)
+            finally:
+                with self._lock:
+                    self._pending.difference_update(todo)
+
+        self.worker.submit(run)
+
+    def warm(self, experts: list[int]) -> None:
+        """Fill the cache synchronously (at start-up) with `experts`, up to capacity."""
+        for e in experts[: self.cache.capacity]:
+            self.cache.fill(e)
+
+    def __call__(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
+        """y[r] = expert[local_ids[r]](x[r]); rows in any order, R may be 0. Hits use cached weights, misses
+        the fused dequant path on the packed weights."""
+        R = x_RD.shape[0]
+        if R == 0 or self.num_local == 0:
+            return torch.empty_like(x_RD)
+        counts = torch.bincount(local_ids_R, minlength=self.num_local)  # [E_loc]
+        used = counts.nonzero().flatten().tolist()
+        ready = self.cache.lookup(used)
+        misses = [e for e in used if e not in ready]
+        with self._lock:
+            self.stats.add_lookups(self.layer, len(ready), len(used))
+            if self._prefetched:
+                self.stats.add_prefetch(self.layer, len(self._prefetched), len(self._prefetched - set(used)))
+                self._prefetched.clear()
+        order = torch.argsort(local_ids_R, stable=True)
+        xs = x_RD[order]
+        ys = torch.empty_like(xs)
+        bounds = [0] + torch.cumsum(counts, 0).tolist()
+        for e, (gu, dn) in ready.items():
+            lo, hi = bounds[e], bounds[e + 1]
+            g, u = F.linear(xs[lo:hi], gu).split(self.intermediate, dim=1)
+            # The product is rounded once to the activation dtype, as on the packed path.
+            h = (F.silu(g.float()) * u.float()).to(xs.dtype)
+            ys[lo:hi] = F.linear(h, dn)
+        if misses:
+            miss_counts = torch.zeros_like(counts)
+            miss_counts[misses] = counts[misses]
+            if len(misses) == len(used):
+                ys = self._ffn(xs, miss_counts, self.packed)
+            else:
+                rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses]).to(xs.device)
+                ys[rows] = self._ffn(xs[rows], miss_counts, self.packed)
+            if self.demand_fill and self.cache.capacity:
+                self.request(misses, protect=set(used), prefetch=False)
+        y = torch.empty_like(x_RD)
+        y[order] = ys
+        return y
+
+
+class ExpertRuntime:
+    """Packed experts + caches + predictor + prefetch worker of one rank, and the model hooks.
+
+    Args:
+        model_cfg: the model's configuration. local: per layer, the global expert ids on this rank (row order).
+        packed: per layer PackedExperts of those experts (None for dense layers or E_loc = 0).
+        dtype, device: compute dtype and device of cached weights.
+        capacity: C, experts per layer kept dequantized over the whole layer (None: all).
+        predictor: next-layer expert predictor (a NoPredictor disables prefetch).
+        policy: eviction policy (default: `predicted` with a predictor, else `lru`).
+        backend: "torch" | "triton". async_prefetch: fills on a worker thread (False: inline, deterministic).
+        budget: experts predicted per token (default K + 1).
+    Raises:
+        ValueError: capacity < 0, unknown policy or backend.
+    """
+
+    def __init__(self, *, model_cfg: ModelConfig, local: list[list[int]], packed: list[PackedExperts | None],
+                 dtype: torch.dtype, device: torch.device, capacity: int | None, predictor: ExpertPredictor,
+                 policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
+                 budget: int | None = None, demand_fill: bool = True):
+        mc = model_cfg
+        if capacity is not None and capacity < 0:
+            raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
+        self.cfg, self.local, self.predictor = mc, local, predictor
+        self.num_experts = mc.num_experts
+        self.prefetching = predictor.name != "none"
+        self.policy = policy or ("predicted" if self.prefetching else "lru")
+        self.budget = min(mc.top_k + 1 if budget is None else budget, mc.num_experts)
+        self.capacity = capacity
+        self.stats = RoutingStats()
+        self.worker = PrefetchWorker(sync=not async_prefetch, device=device)
+        self.local_of = [{g: i for i, g in enumerate(ids)} for ids in local]
+        self.layers: list[PackedLayerExperts | None] = []
+        for l in range(mc.num_layers):
+            if not mc.moe_layers[l]:
+                self.layers.append(None)
+                continue
+            n_loc = len(local[l])
+            cap = n_loc if capacity is None else min(n_loc, math.ceil(capacity * n_loc / mc.num_experts))
+            self.layers.append(PackedLayerExperts(l, packed[l], capacity=cap, policy=self.policy, dtype=dtype,
+                                                  backend=backend, worker=self.worker, stats=self.stats,
+                                                  demand_fill=demand_fill))
+        moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
+        self.prev_moe = {l: (moe[i - 1] if i else None) for i, l in enumerate(moe)}
+        self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
+        self.first_moe = moe[0] if moe else None
+        self._warm()
+        self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
+        self._T = 0
+        self._model = None
+
+    def _warm(self) -> None:
+        """Start with the cache full: the calibration's most frequent experts first (else the lowest ids)."""
+        freq = getattr(getattr(self.predictor, "markov", self.predictor), "counts", None)
+        for l, store in enumerate(self.layers):
+            if store is None or store.cache.capacity == 0:
+                continue
+            order = list(range(store.num_local))
+            if freq is not None:
+                f = freq.freq[l]
+                order.sort(key=lambda i: -float(f[self.local[l][i]]))
+            store.warm(order)
+
+    # ------------------------------------------------------------------------ hooks
+    def attach(self, model) -> None:
+        """Install the hooks on `model` (chaining any `on_route` already there) and wrap its forward."""
+        self._model = model
+        self._saved = (model.on_route, getattr(model, "on_hidden", None), model.__dict__.get("forward"))
+        prev_route = model.on_route
+        inner = model.forward
+
+        def on_route(l: int, ids: torch.Tensor) -> None:
+            if prev_route is not None:
+                prev_route(l, ids)
+            self.on_route(l, ids)
+
+        def forward(input_ids_T, positions_T, cache, meta):
+            self.begin_step(meta, input_ids_T.shape[0])
+            return inner(input_ids_T, positions_T, cache, meta)
+
+        model.on_route = on_route
+        model.on_hidden = self.on_hidden
+        model.forward = forward
+
+    def detach(self) -> None:
+        """Undo `attach` and stop the worker."""
+        if self._model is not None:
+            m = self._model
+            m.on_route, m.on_hidden, fwd = self._saved
+            if fwd is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = fwd
+            self._model = None
+        self.worker.close()
+
+    def begin_step(self, meta, num_tokens: int) -> None:
+        """Map the step's tokens to sequences: key (first KV block) per token, index of the previous token."""
+        T = num_tokens
+        self._T = T
+        self._ids: dict[int, torch.Tensor] = {}
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._pred: dict[int, torch.Tensor] = {}
+        if T == 0:
+            return
+        key = [-1] * T
+        prev = [-1] * T
+        for start, n, _, table in meta.prefills:
+            k = int(table[0]) if len(table) else -1
+            key[start : start + n] = [k] * n
+            prev[start + 1 : start + n] = range(start, start + n - 1)
+        self._decode = meta.decode_tokens.tolist()
+        for j, t in enumerate(self._decode):
+            key[t] = int(meta.decode_block_tables[j, 0]) if meta.decode_block_tables.shape[1] else -1
+        self._key, self._prev = key, torch.tensor(prev, dtype=torch.int64)
+        if self.prefetching and self.first_moe is not None and self._decode:
+            l = self.first_moe
+            pt = self._prev_token_ids(l, None)
+            self._predict_and_prefetch(l, None, pt, None)
+
+    def _prev_token_ids(self, l: int, ids_TK: torch.Tensor | None) -> torch.Tensor:
+        """`[T, K]` experts of each token's predecessor at layer l (-1 where unknown)."""
+        K = self.cfg.top_k
+        out = torch.full((self._T, K), -1, dtype=torch.int64)
+        if ids_TK is not None:
+            has = self._prev >= 0
+            out[has] = ids_TK[self._prev[has]]
+        last = self._last.get(l, {})
+        for t in self._decode:
+            v = last.get(self._key[t])
+            if v is not None:
+                out[t] = v
+        return out
+
+    def on_hidden(self, l: int, h_TD: torch.Tensor) -> None:
+        """Residual stream entering layer l's FFN (kept for the lookahead predictor)."""
+        if self._T:
+            self._hidden[l] = h_TD
+
+    def on_route(self, l: int, ids_TK: torch.Tensor) -> None:
+        """Layer l just routed: score the prediction made for it, learn, predict the next MoE layer, prefetch."""
+        if self._T == 0 or ids_TK.shape[0] != self._T:
+            return
+        ids = ids_TK.detach().to("cpu", torch.int64)
+        prev_layer = self._ids.get(self.prev_moe.get(l))
+        prev_tok = self._prev_token_ids(l, ids)
+        if l in self._pred:
+            self.stats.add_prediction(l, self._pred.pop(l), ids, self.num_experts)
+        has = (prev_tok >= 0).any(1)
+        if bool(has.any()):
+            self.stats.add_thrashing(l, jaccard_distance(prev_tok[has], ids[has], self.num_experts))
+        self.predictor.observe(l, ids, prev_layer, prev_tok)
+        self._ids[l] = ids
+        self._last[l] = {k: ids[t] for t, k in enumerate(self._key) if k >= 0}  # last token of each sequence wins
+        nl = self.next_moe.get(l)
+        if self.prefetching and nl is not None:
+            self._predict_and_prefetch(nl, ids, self._prev_token_ids(nl, None), self._hidden.get(l))
+
+    def _predict_and_prefetch(self, layer: int, prev_layer, prev_tok, hidden) -> None:
+        s = self.predictor.scores(layer, prev_layer, prev_tok, hidden, self._T)  # [T, E]
+        pred = torch.topk(s, self.budget, dim=-1).indices  # [T, B]
+        self._pred[layer] = pred
+        store = self.layers[layer]
+        if store is None or store.cache.capacity == 0:
+            return
+        agg = s.sum(0)  # [E] expected uses in the batch
+        lo = self.local_of[layer]
+        store.cache.set_scores({i: float(agg[g]) for g, i in lo.items()})
+        want = [lo[g] for g in ExpertPredictor.union(pred) if g in lo]
+        want.sort(key=lambda i: -float(agg[self.local[layer][i]]))
+        want = want[: store.cache.capacity]
+        store.request(want, protect=set(want), prefetch=True)
+
+    # ------------------------------------------------------------------------ reporting
+    def wait_idle(self) -> None:
+        self.worker.wait_idle()
+
+    def summary(self) -> dict:
+        """Per-layer metrics (stats.RoutingStats.summary) and totals: hit_rate, recall, precision, thrashing."""
+        per = self.stats.summary()
+        c = self.stats.c
+
+        def tot(a: str, b: str) -> float:
+            num = sum(v[a] for v in c.values())
+            den = sum(v[b] for v in c.values())
+            return num / den if den else float("nan")
+
+        th = [v["thrashing"] for v in per.values() if not math.isnan(v["thrashing"])]
+        return {"layers": per, "hit_rate": tot("hits", "lookups"), "recall": tot("pred_inter", "true_n"),
+                "precision": tot("pred_inter", "pred_n"), "wasted_prefetch_frac": tot("wasted", "prefetched"),
+                "thrashing": sum(th) / len(th) if th else float("nan"), "policy": self.policy,
+                "predictor": self.predictor.name}
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bits: int, group_size: int = 64,
+                           codebook: bool = False) -> PackedExperts | None:
+    """Pack one layer's local experts `[E_loc, 2I, D]`, `[E_loc, D, I]` (None when E_loc = 0)."""
+    if w_gate_up.shape[0] == 0:
+        return None
+    kw = dict(bits=bits, group_size=group_size, codebook=codebook)
+    return PackedExperts(gate_up=quantize(w_gate_up, **kw), down=quantize(w_down, **kw))
+
+
+def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], packed: list[PackedExperts | None],
+                  model_path: str | None, capacity: int | None, prefetch: str = "auto", policy: str | None = None,
+                  backend: str = "torch", async_prefetch: bool = True,
+                  counts: TransitionCounts | None = None) -> ExpertRuntime:
+    """An ExpertRuntime for `model` (not yet attached).
+
+    `prefetch="auto"` picks DEFAULT_PREDICTOR when the cache cannot hold every local expert, else none.
+    Markov counts come from `counts`, else `<model_path>/expert_transitions.safetensors` when present, else
+    start at zero (learned online).
+    Raises:
+        ValueError: unknown prefetch name (names the field and the choices).
+    """
+    mc = model_cfg
+    if prefetch not in PREDICTORS + ("auto",):
+        raise ValueError(f"prefetch={prefetch!r} must be auto or one of {PREDICTORS}")
+    if prefetch == "auto":
+        full = capacity is None or capacity >= mc.num_experts
+        prefetch = "none" if full else DEFAULT_PREDICTOR
+    if counts is None and model_path and os.path.isfile(os.path.join(model_path, TRANSITIONS_FILE)):
+        counts = TransitionCounts.load(os.path.join(model_path, TRANSITIONS_FILE))
+        if counts.freq.shape != (mc.num_layers, mc.num_experts):
+            log.warning("ignoring %s: shape %s does not match the model", TRANSITIONS_FILE, tuple(counts.freq.shape))
+            counts = None
+    w = model.w
+    gates = [w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
+    norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
+    pred = make_predictor(prefetch, num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k,
+                          moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
+                          norm_eps=mc.rms_norm_eps)
+    return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=model.dtype, device=model.device,
+                         capacity=capacity, predictor=pred, policy=policy, backend=backend,
+                         async_prefetch=async_prefetch)
+
+
+def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, local: list[list[int]]):
+    """The engine seam (`RankEngine._build_experts`): returns an attached ExpertRuntime, or None to keep the
+    full-precision `LocalExperts`.
+
+    Packed experts are used when `cfg.model` is a packed checkpoint (read: only this rank's experts) or
+    `cfg.weight_bits` is set (quantized at load time, group size `cfg.weight_group_size`, uniform grid).
+    Raises:
+        ValueError: weight_bits disagrees with a packed checkpoint's bits; expert_cache_capacity or an explicit
+            prefetch predictor without packed experts; unknown prefetch / kernel_backend.
+    """
+    mc = model_cfg
+    packed_dir = is_packed_checkpoint(cfg.model)
+    if packed_dir:
+        qc = read_quant_config(cfg.model)
+        if cfg.weight_bits is not None and cfg.weight_bits != qc["bits"]:
+            raise ValueError(f"weight_bits={cfg.weight_bits} but model={cfg.model!r} is already packed at "
+                             f"bits={qc['bits']}; quantize the full-precision checkpoint instead")
+        from actors.weights import CheckpointReader
+
+        reader = CheckpointReader(cfg.model)
+        packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(model.device)
+                  if mc.moe_layers[l] and local[l] else None for l in range(mc.num_layers)]
+    elif cfg.weight_bits is not None:
+        packed = []
+        for l in range(mc.num_layers):
+            if not mc.moe_layers[l]:
+                packed.append(None)
+                continue
+            gu, dn = weights.pop(f"layers.{l}.w_gate_up"), weights.pop(f"layers.{l}.w_down")
+            packed.append(quantize_local_experts(gu, dn, bits=cfg.weight_bits, group_size=cfg.weight_group_size))
+    else:
+        if cfg.expert_cache_capacity is not None or cfg.prefetch not in ("none", "auto"):
+            raise ValueError(f"expert_cache_capacity={cfg.expert_cache_capacity} / prefetch={cfg.prefetch!r} need "
+                             "packed experts: set weight_bits or serve a packed checkpoint (moeray quantize)")
+        return None
+    rt = build_runtime(model_cfg=mc, model=model, local=local, packed=packed, model_path=cfg.model,
+                       capacity=cfg.expert_cache_capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend)
+    rt.attach(model)
+    return rt
+
+
+# ---------------------------------------------------------------------------- calibration
+
+
+@torch.inference_mode()
+def record_routing(engine, token_ids: list[int], *, with_hidden: bool = False) -> tuple[RoutingTrace, torch.Tensor]:
+    """Run one sequence through `engine.prompt_logits` (world size 1) and record its routing.
+
+    Returns:
+        (RoutingTrace with ids `[T, L, K]` (-1 at dense layers) and hidden `[T, L, D]` float32 or None,
+         logits `[T, V]` fp32).
+    """
+    model = engine.model
+    mc = model.cfg
+    T = len(token_ids)
+    ids = torch.full((T, mc.num_layers, mc.top_k), -1, dtype=torch.int64)
+    hid = torch.zeros(T, mc.num_layers, mc.hidden_size) if with_hidden else None
+    saved = (model.on_route, getattr(model, "on_hidden", None))
+
+    def on_route(l, t):
+        if saved[0] is not None:
+            saved[0](l, t)
+        ids[:, l] = t.cpu()
+
+    def on_hidden(l, h):
+        if saved[1] is not None:
+            saved[1](l, h)
+        if hid is not None:
+            hid[:, l] = h.float().cpu()
+
+    model.on_route, model.on_hidden = on_route, on_hidden
+    try:
+        logits = engine.prompt_logits(list(token_ids))
+    finally:
+        model.on_route, model.on_hidden = saved
+    return RoutingTrace(ids=ids, hidden=hid), logits
+
+
+def transitions_from_traces(traces: list[RoutingTrace], num_layers: int, num_experts: int) -> TransitionCounts:
+    """Markov counts of recorded sequences (layer-to-layer within a token, token-to-token within a layer)."""
+    c = TransitionCounts.zeros(num_layers, num_experts)
+    for tr in traces:
+        moe = [l for l in range(num_layers) if bool((tr.ids[:, l] >= 0).any())]
+        for i, l in enumerate(moe):
+            cur = tr.ids[:, l]
+            prev_tok = torch.cat([torch.full_like(cur[:1], -1), cur[:-1]])
+            c.observe(l, cur, tr.ids[:, moe[i - 1]] if i else None, prev_tok)
+    return c
+
+
+def calibrate(engine, token_chunks: list[list[int]], out_path: str | None = None,
+              meta: dict | None = None) -> TransitionCounts:
+    """Calibration run: route `token_chunks` through the model and count expert transitions; optionally
+    save them (`out_path`, usually `<model>/expert_transitions.safetensors`)."""
+    mc = engine.model.cfg
+    traces = [record_routing(engine, ch)[0] for ch in token_chunks if len(ch) > 1]
+    counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
+    if out_path:
+        counts.save(out_path, meta)
+    return counts

@@ -1,0 +1,158 @@
+"""Packed checkpoints: a Hugging Face model folder whose routed experts are stored as packed sub-4-bit weights.
+
+Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moeray quantize SRC DST`):
+  config.json, generation_config.json, tokenizer files      copied from SRC unchanged
+  model.safetensors                                          every non-routed-expert tensor of SRC under its
+                                                             own name and dtype, plus per MoE layer l:
+      {moe}.experts.packed.gate_up.{qcodes,qscales,qzeros,qcodebook?,qmeta}   stack (E, 2I, D), gate rows first
+      {moe}.experts.packed.down.{...}                                        stack (E, D, I)
+      ({moe} = model.layers.{l}.mlp, or model.layers.{l}.block_sparse_moe for Mixtral; the tensors are
+      `kernels.packed_weights.PackedWeight.to_tensors` of the stacks, expert e at row e)
+  quantization_config.json                                   {"format": "moeray-packed", "version": 1, bits,
+                                                             group_size, codebook, effective_bits, ...}
+  expert_transitions.safetensors (optional)                  Markov calibration counts
+                                                             (`router_service.routing.prefetch`)
+
+`load_packed_experts` reads only the requested experts' rows of each stack (safetensors slices), so an EP
+rank never materialises the other ranks' experts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+from safetensors import safe_open
+
+from actors.config import ModelConfig
+from actors.weights import CheckpointReader, _moe_prefix, load_expert_weights
+from kernels.packed_weights import PackedExperts, PackedWeight, quantize
+from router_service.routing.prefetch import TRANSITIONS_FILE
+
+QUANT_CONFIG = "quantization_config.json"
+FORMAT = "moeray-packed"
+_COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+         "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def is_packed_checkpoint(path: str) -> bool:
+    """True if `path` holds a `quantization_config.json` of this format."""
+    f = os.path.join(path, QUANT_CONFIG)
+    if not os.path.isfile(f):
+        return False
+    with open(f) as fh:
+        return json.load(fh).get("format") == FORMAT
+
+
+def read_quant_config(path: str) -> dict:
+    """The packed folder's quantization config. Raises FileNotFoundError / ValueError (wrong format)."""
+    f = os.path.join(path, QUANT_CONFIG)
+    if not os.path.isfile(f):
+        raise FileNotFoundError(f"model={path!r}: no {QUANT_CONFIG} (not a packed checkpoint)")
+    with open(f) as fh:
+        qc = json.load(fh)
+    if qc.get("format") != FORMAT or qc.get("version") != 1:
+        raise ValueError(f"{f}: format={qc.get('format')!r} version={qc.get('version')!r}, expected {FORMAT!r} 1")
+    return qc
+
+
+def _is_routed_expert_tensor(name: str) -> bool:
+    # Routed experts live under `.experts.` (per-expert or fused); the shared expert is `.shared_expert.`.
+    return ".experts." in name
+
+
+def write_packed_checkpoint(src: str, dst: str, *, bits: int, group_size: int = 64, codebook: bool = False,
+                            progress: Callable[[int], None] | None = None, kmeans_iters: int = 30) -> dict:
+    """Quantize the routed experts of checkpoint `src` and write a packed folder `dst` (layout above).
+
+    Args:
+        src: HF model folder (config.json, *.safetensors, tokenizer.json).
+        dst: output folder (created; must not be `src`).
+        bits: 2, 3 or 4. group_size: 32, 64 or 128. codebook: non-uniform per-matrix levels (Lloyd-Max).
+        progress: called with 1 after each MoE layer (e.g. a tqdm `update`).
+    Returns:
+        the quantization config written (includes `effective_bits` over all routed-expert weights).
+    Raises:
+        ValueError: `dst` is `src`, or bits / group_size unsupported (from `kernels.packed_weights.quantize`).
+        FileNotFoundError: `src` has no config.json or no safetensors.
+    """
+    from safetensors.torch import save_file
+
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError(f"dst={dst!r} must differ from src")
+    cfg = ModelConfig.from_pretrained(src)
+    reader = CheckpointReader(src)
+    os.makedirs(dst, exist_ok=True)
+    out: dict[str, torch.Tensor] = {}
+    for name in reader.file_of:
+        if not _is_routed_expert_tensor(name) and os.path.basename(reader.file_of[name]) != TRANSITIONS_FILE:
+            out[name] = reader.get(name).contiguous()
+    nbytes = numel = 0
+    for l in range(cfg.num_layers):
+        if not cfg.moe_layers[l]:
+            continue
+        gu, dn = load_expert_weights(reader, cfg, l, range(cfg.num_experts), torch.float32)
+        p = f"{_moe_prefix(reader, l)}.experts.packed"
+        for proj, w in (("gate_up", gu), ("down", dn)):
+            pw = quantize(w, bits=bits, group_size=group_size, codebook=codebook, kmeans_iters=kmeans_iters)
+            out.update(pw.to_tensors(f"{p}.{proj}"))
+            nbytes += pw.nbytes
+            numel += w.numel()
+        if progress is not None:
+            progress(1)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for fn in _COPY:
+        if os.path.isfile(os.path.join(src, fn)):
+            shutil.copyfile(os.path.join(src, fn), os.path.join(dst, fn))
+    qc = {"format": FORMAT, "version": 1, "bits": bits, "group_size": group_size, "codebook": codebook,
+          "fused_gate_up": True, "quantized": "routed experts (shared experts, attention, embeddings unchanged)",
+          "effective_bits": 8 * nbytes / max(numel, 1), "expert_bytes": nbytes, "source": os.path.abspath(src)}
+    with open(os.path.join(dst, QUANT_CONFIG), "w") as f:
+        json.dump(qc, f, indent=2)
+    return qc
+
+
+def _read_rows(reader: CheckpointReader, name: str, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of a stacked tensor, reading only those slices from disk; `[len(rows), ...]`."""
+    sl = reader._open(name).get_slice(name)
+    return torch.stack([sl[e : e + 1][0] for e in rows]) if rows else None
+
+
+def load_packed_experts(path: str, cfg: ModelConfig, layer: int, experts: list[int],
+                        reader: CheckpointReader | None = None) -> PackedExperts:
+    """The packed experts `experts` (global ids, in this order) of MoE layer `layer` of a packed folder.
+
+    Returns:
+        PackedExperts with fused gate_up `(E_loc, 2I, D)` and down `(E_loc, D, I)` on CPU (E_loc = len(experts)).
+    Raises:
+        ValueError: no experts requested, or the packed tensors are missing for `layer`.
+    """
+    if not experts:
+        raise ValueError(f"layer {layer}: no experts requested")
+    reader = reader or CheckpointReader(path)
+    p = f"{_moe_prefix(reader, layer)}.experts.packed"
+    parts = {}
+    for proj in ("gate_up", "down"):
+        pre = f"{p}.{proj}"
+        if f"{pre}.qmeta" not in reader:
+            raise ValueError(f"model={path!r} layer {layer}: packed tensors {pre}.* not found")
+        meta = [int(v) for v in reader.get(f"{pre}.qmeta").tolist()]
+        bits, group, shape = meta[0], meta[1], meta[2:]
+        cb = _read_rows(reader, f"{pre}.qcodebook", experts) if f"{pre}.qcodebook" in reader else None
+        parts[proj] = PackedWeight(codes=_read_rows(reader, f"{pre}.qcodes", experts),
+                                   scales=_read_rows(reader, f"{pre}.qscales", experts),
+                                   zeros=_read_rows(reader, f"{pre}.qzeros", experts), codebook=cb,
+                                   bits=bits, group_size=group, shape=(len(experts), *shape[1:]))
+    return PackedExperts(gate_up=parts["gate_up"], down=parts["down"])
+
+
+def packed_layer_names(path: str) -> list[str]:
+    """Names of the packed tensors in a folder (for inspection and tests)."""
+    names = []
+    for fn in sorted(os.listdir(path)):
+        if fn.endswith(".safetensors") and fn != TRANSITIONS_FILE:
+            with safe_open(os.path.join(path, fn), "pt") as f:
+                names += [n for n in f.keys() if ".experts.packed." in n]
+    return names

@@ -1,0 +1,85 @@
+"""`moeray calibrate`: fit a KV quantization profile (KVQuant, arXiv 2401.18079) for one text domain.
+
+    moeray calibrate --domain prose --data a.txt b.txt --bits 3 models/tiny-moe/kv_profiles
+
+runs the model on the text in non-overlapping windows, collects every layer's pre-RoPE keys and values,
+fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer, and writes
+`<OUT>/<domain>-<bits>bit.safetensors` + `.json` (or exactly OUT, if it ends in `.safetensors`).
+A progress bar (tqdm) goes to stderr.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from cluster.config import DEFAULT_MODEL
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("calibrate", help="write a KV quantization profile for one text domain",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("out", metavar="OUT", help="profile folder (e.g. <model>/kv_profiles) or a .safetensors path")
+    p.add_argument("--domain", required=True, help="profile name, e.g. prose or code")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="calibration text files")
+    p.add_argument("--bits", type=int, required=True, choices=[2, 3, 4], help="code width in bits per element")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens at most")
+    p.add_argument("--window", type=int, default=1024, help="tokens per forward")
+    p.add_argument("--n-outlier", type=int, default=2, help="key outlier channels per KV head kept in fp16")
+    p.add_argument("--n-outlier-v", type=int, default=0, help="value outlier channels per KV head kept in fp16")
+    p.add_argument("--percentile", type=float, default=1.0, help="per-channel key range percentile, (0.5, 1]")
+    p.add_argument("--codebook", default="kmeans", choices=["kmeans", "uniform"])
+    p.add_argument("--no-v-zero", action="store_true", help="do not subtract the per-channel value mean")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(a) -> int:
+    from tqdm import tqdm
+
+    from actors.config import ModelConfig
+    from actors.dispatch import ExpertPlacement
+    from actors.engine import EngineConfig, RankEngine
+    from actors.kv_profiles import (collect_calibration_kv, fit_model_profile, model_effective_bits,
+                                    profile_filename, save_profile)
+
+    if a.tokens < 1 or a.window < 1:
+        print(f"moeray: error: --tokens={a.tokens} and --window={a.window} must be >= 1", file=sys.stderr)
+        return 2
+    missing = [f for f in a.data if not os.path.isfile(f)]
+    if missing:
+        print(f"moeray: error: --data files not found: {missing}", file=sys.stderr)
+        return 2
+    try:
+        mc = ModelConfig.from_pretrained(a.model)
+        window = min(a.window, mc.max_position_embeddings)
+        eng = RankEngine(EngineConfig(model=a.model, max_model_len=window, max_num_seqs=1),
+                         ExpertPlacement.contiguous(mc.num_layers, max(mc.num_experts, 1), 1))
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    text = "\n".join(open(f, encoding="utf-8", errors="replace").read() for f in a.data)
+    ids = eng.tokenizer.encode(text).ids[: a.tokens]
+    if not ids:
+        print("moeray: error: --data holds no text", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    with tqdm(total=len(ids), unit="tok", desc=f"calibrate {a.domain} {a.bits}-bit", file=sys.stderr) as bar:
+        k, v = collect_calibration_kv(eng, ids, window=window, progress=bar.update)
+    meta = {"model": os.path.basename(os.path.abspath(a.model)), "calibration_files": [os.path.basename(f) for f in a.data],
+            "calibration_tokens": len(ids)}
+    try:
+        prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, n_outlier=a.n_outlier,
+                                 n_outlier_v=a.n_outlier_v, percentile=a.percentile, codebook=a.codebook,
+                                 use_v_zero=not a.no_v_zero)
+    except ValueError as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    prof.meta["effective_bits_1024"] = round(model_effective_bits(prof, 1024), 4)
+    out = a.out if a.out.endswith(".safetensors") else os.path.join(a.out, profile_filename(a.domain, a.bits))
+    st, js = save_profile(prof, out)
+    print(f"wrote {st} and {js} ({len(ids)} tokens, {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    print(st)
+    return 0

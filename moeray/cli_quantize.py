@@ -1,0 +1,157 @@
+"""`moeray quantize SRC DST`: write a packed sub-4-bit checkpoint, and seed its Markov expert predictor.
+
+    moeray quantize --bits 3 --group-size 64 models/tiny-moe /tmp/tiny-moe-3b
+    moeray generate --model /tmp/tiny-moe-3b --expert-cache 4 "To be, or not to be"
+
+The routed experts are quantized group-wise (uniform grid, or `--codebook` for non-uniform Lloyd-Max
+levels) and stored packed (`actors.packed_checkpoint`); everything else is copied unchanged. Then, unless
+`--no-calibrate`, a calibration run routes training text through the packed model and saves the expert
+transition counts beside it (`expert_transitions.safetensors`), which seed the Markov prefetcher.
+Calibration text: the `--calib-text` files, else a fixed sample of the running interpreter's standard
+library sources outside the model's held-out packages (the code half of the tiny-moe training corpus).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from typing import Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+# Held out from the tiny-moe training corpus (scripts/train_tiny_moe.py): never calibrate on them.
+HELDOUT_CODE_PACKAGES = ("json", "html", "wsgiref")
+
+
+class QuantizeArgs(BaseModel):
+    """Validated `moeray quantize` options."""
+
+    src: str = Field(description="full-precision HF model folder")
+    dst: str = Field(description="output folder for the packed checkpoint")
+    bits: Literal[2, 3, 4] = Field(3, description="bits per expert weight code")
+    group_size: Literal[32, 64, 128] = Field(64, description="weights per fp16 scale/zero group")
+    codebook: bool = Field(False, description="non-uniform per-matrix levels (Lloyd-Max) instead of a uniform grid")
+    calibrate: bool = Field(True, description="seed the Markov expert predictor from a calibration run")
+    calib_text: list[str] = Field(default_factory=list, description="calibration text files")
+    calib_tokens: int = Field(8192, ge=64, description="calibration tokens at most")
+    calib_chunk: int = Field(256, ge=16, description="tokens per calibration sequence")
+
+
+def default_calibration_text(max_chars: int = 200_000) -> str:
+    """A deterministic sample of standard-library `.py` sources, skipping the held-out packages and tests."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts, n = [], 0
+    skip = set(HELDOUT_CODE_PACKAGES) | {f"test_{p}" for p in HELDOUT_CODE_PACKAGES} | {"test", "site-packages",
+                                                                                       "__pycache__", "idlelib"}
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in skip)
+        for fn in sorted(files):
+            if not fn.endswith(".py"):
+                continue
+            try:
+                with open(os.path.join(dirpath, fn), encoding="utf-8") as f:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError):
+                continue
+            parts.append(text)
+            n += len(text)
+            if n >= max_chars:
+                return "\n".join(parts)[:max_chars]
+    return "\n".join(parts)
+
+
+def calibration_chunks(model: str, texts: list[str], max_tokens: int, chunk: int) -> list[list[int]]:
+    """Tokenize `texts` with the model's tokenizer and cut them into sequences of `chunk` tokens, taking
+    an equal share of `max_tokens` from each text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+    share = max_tokens // max(len(texts), 1)
+    out = []
+    for text in texts:
+        ids = tok.encode(text).ids[:share]
+        out += [ids[i : i + chunk] for i in range(0, len(ids) - 1, chunk) if len(ids[i : i + chunk]) > 1]
+    return out
+
+
+def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chunk: int = 256,
+                    progress: bool = True) -> str:
+    """Route `texts` through `model` (one in-process rank) and save `expert_transitions.safetensors` there.
+    Returns the file's path."""
+    from tqdm import tqdm
+
+    from actors.config import ModelConfig
+    from actors.dispatch import ExpertPlacement
+    from actors.engine import EngineConfig, RankEngine
+    from actors.expert_store import calibrate
+    from router_service.routing.prefetch import TRANSITIONS_FILE
+
+    mc = ModelConfig.from_pretrained(model)
+    chunks = calibration_chunks(model, texts, max_tokens, min(chunk, mc.max_position_embeddings))
+    cfg = EngineConfig(model=model, max_model_len=min(1024, mc.max_position_embeddings),
+                       kv_cache_bytes=64 * 2**20)
+    eng = RankEngine(cfg, ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
+    path = os.path.join(model, TRANSITIONS_FILE)
+    it = tqdm(chunks, desc="calibrating expert transitions", unit="seq", file=sys.stderr, disable=not progress)
+    calibrate(eng, list(it), path, meta={"tokens": sum(map(len, chunks)), "sequences": len(chunks)})
+    if eng.expert_runtime is not None:
+        eng.expert_runtime.detach()
+    return path
+
+
+def cmd_quantize(a) -> int:
+    from tqdm import tqdm
+
+    from actors.config import ModelConfig
+    from actors.packed_checkpoint import write_packed_checkpoint
+
+    try:
+        args = QuantizeArgs(src=a.src, dst=a.dst, bits=a.bits, group_size=a.group_size, codebook=a.codebook,
+                            calibrate=not a.no_calibrate, calib_text=a.calib_text or [],
+                            calib_tokens=a.calib_tokens, calib_chunk=a.calib_chunk)
+        mc = ModelConfig.from_pretrained(args.src)
+    except (ValidationError, ValueError, FileNotFoundError) as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    n_moe = sum(mc.moe_layers)
+    try:
+        with tqdm(total=n_moe, desc=f"quantizing experts to {args.bits} bits", unit="layer", file=sys.stderr) as bar:
+            qc = write_packed_checkpoint(args.src, args.dst, bits=args.bits, group_size=args.group_size,
+                                         codebook=args.codebook, progress=bar.update)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst}: routed experts at {qc['effective_bits']:.3f} bits per weight "
+          f"({qc['expert_bytes'] / 2**20:.2f} MiB), bits={args.bits} group_size={args.group_size} "
+          f"codebook={args.codebook}")
+    if args.calibrate:
+        try:
+            texts = []
+            for fn in args.calib_text:
+                with open(fn, encoding="utf-8", errors="replace") as f:
+                    texts.append(f.read())
+        except OSError as e:
+            print(f"moeray: error: --calib-text: {e}", file=sys.stderr)
+            return 2
+        path = run_calibration(args.dst, texts or [default_calibration_text()], max_tokens=args.calib_tokens,
+                               chunk=args.calib_chunk)
+        print(f"wrote {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    import argparse
+
+    p = sub.add_parser("quantize", help="write a packed sub-4-bit expert checkpoint (SRC -> DST)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="full-precision HF model folder")
+    p.add_argument("dst", metavar="DST", help="output folder")
+    p.add_argument("--bits", type=int, default=3, choices=[2, 3, 4])
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--codebook", action="store_true", help="non-uniform Lloyd-Max levels per matrix")
+    p.add_argument("--no-calibrate", action="store_true", help="skip the Markov-predictor calibration run")
+    p.add_argument("--calib-text", action="append", default=[], metavar="FILE",
+                   help="calibration text file (repeatable; default: a standard-library source sample)")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--calib-chunk", type=int, default=256)
+    p.set_defaults(func=cmd_quantize)

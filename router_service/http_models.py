@@ -1,0 +1,199 @@
+"""Pydantic models of the OpenAI-style HTTP API and of the Serve application's arguments.
+
+Every sampling field is validated here, at the edge; a violation becomes HTTP 400 whose message names
+the field, the value and the limit (see `router_service.serve_app`). Checks that need the tokenizer
+(prompt + max_tokens over the context window) or the served model (unknown `model`) are made by the
+app and the router, with the same kind of message.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from actors.sampling import MAX_STOP_STRINGS, SamplingParams
+
+MAX_N = 8  # completions per prompt at most (`n`)
+MAX_PROMPTS = 16  # prompts in one /v1/completions call at most
+MAX_SEED = 2**63
+
+
+class StreamOptions(BaseModel):
+    """`include_usage` defaults to true here (the OpenAI default is false): the last SSE event before
+    `[DONE]` carries `usage` with `choices: []`."""
+
+    include_usage: bool = True
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI names; vLLM-style extensions
+    `top_k`, `ignore_eos`, `stop_token_ids`). Unknown fields are ignored, as OpenAI clients send many."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="served model id (GET /v1/models); None = the served model")
+    max_tokens: int | None = Field(None, ge=1, description="output tokens at most; prompt + max_tokens <= context window")
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass, in (0, 1]")
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"choices per prompt, at most {MAX_N}")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} non-empty strings")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = Field(None, ge=0, lt=MAX_SEED)
+    ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    logprobs: bool | int | None = Field(None, description="not supported: only null / false / 0")
+    user: str | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        if v:
+            raise ValueError(f"logprobs={v!r} is not supported (only null, false or 0)")
+        return None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        if v is None:
+            return []
+        v = [v] if isinstance(v, str) else v
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(v)} strings; at most {MAX_STOP_STRINGS}")
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options.include_usage if self.stream_options else True
+
+    def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        """SamplingParams of choice `index` (a given seed is offset by the index so n > 1 choices differ)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
+                              seed=None if self.seed is None else (self.seed + index) % MAX_SEED,
+                              stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids),
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of strings (a batch);
+    `max_tokens` defaults to 16 as in OpenAI's API."""
+
+    prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a batch of texts")
+    echo: Literal[False] = Field(False, description="not supported")
+    suffix: None = Field(None, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n (or unset)")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt is empty")
+        elif not v:
+            raise ValueError("prompt is empty (no tokens / no texts)")
+        elif isinstance(v[0], str):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"prompt has {len(v)} texts; at most {MAX_PROMPTS}")
+            if any(not s for s in v):
+                raise ValueError("prompt contains an empty text")
+        elif any(t < 0 for t in v):
+            raise ValueError("prompt token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} must equal n={self.n} (best_of > n is not supported)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], str):
+            return list(self.prompt)
+        return [list(self.prompt)]
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; `content` is text or a list of text parts (joined). Images are not supported."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. `max_tokens` (or `max_completion_tokens`) defaults to the rest of the
+    context window after the templated prompt."""
+
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _messages(self):
+        if not any(m.text() for m in self.messages):
+            raise ValueError("messages: every message is empty")
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moeray"
+    max_model_len: int
+
+
+class ServeAppArgs(BaseModel):
+    """Arguments of the Serve application (`args:` in deploy/serve_config.yaml; `moeray serve` flags).
+
+    model: model folder (None: $MOERAY_MODEL, else the shipped models/tiny-moe).
+    ranks: EP world size of the cluster each replica owns.
+    num_gpus_per_rank / num_cpus_per_rank: the rank bundle of the placement group (None: $MOERAY_NUM_GPUS_PER_RANK
+        / $MOERAY_NUM_CPUS_PER_RANK, else 1 GPU per rank when the Ray cluster has GPUs, else 0 GPU and 0.5 CPU).
+        Pods set these through the environment, so one config serves a laptop and a GPU cluster.
+    max_queue: requests in flight per replica before HTTP 503 / RESOURCE_EXHAUSTED.
+    api_key: required bearer key (None: $MOERAY_API_KEY; unset or empty: no key).
+    grpc_port: if set, the replica also serves gRPC on grpc_host:grpc_port (127.0.0.1 unless told otherwise).
+    cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    served_model_name: str | None = None
+    ranks: int = Field(2, ge=1)
+    num_gpus_per_rank: float | None = Field(None, ge=0)
+    num_cpus_per_rank: float | None = Field(None, gt=0)
+    max_queue: int = Field(256, ge=1)
+    api_key: str | None = None
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    grpc_host: str = "127.0.0.1"
+    cluster_options: dict = Field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""Routing policies, expert-prefetch predictors and routing statistics (below `actors`, above `kernels`)."""

@@ -1,0 +1,180 @@
+"""Packed experts + expert cache + prefetch in the engine (world_size 1, in-process, fp32, tiny models).
+
+Shape legend: R = rows, D = hidden, I = expert intermediate, E = experts.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from actors.config import ModelConfig
+from actors.dispatch import ExpertPlacement
+from actors.engine import EngineConfig, RankEngine
+from actors.expert_store import (
+    ExpertCache,
+    PackedLayerExperts,
+    PrefetchWorker,
+    calibrate,
+    quantize_local_experts,
+)
+from actors.messages import GenerateRequest
+from actors.packed_checkpoint import load_packed_experts, read_quant_config, write_packed_checkpoint
+from actors.sampling import SamplingParams
+from kernels.packed_weights import dequantize
+from router_service.routing.prefetch import TRANSITIONS_FILE
+from router_service.routing.stats import RoutingStats
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 3, 250]]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tiny_model_dir):
+    # 3 layers: layer 1 is dense (mlp_only_layers), so prefetch must skip over it.
+    return tiny_model_dir("qwen2_moe", num_layers=3)
+
+
+def make_engine(path: str, world: int = 1, rank: int = 0, **kw) -> RankEngine:
+    mc = ModelConfig.from_pretrained(path)
+    cfg = EngineConfig(model=path, max_model_len=128, kv_cache_bytes=4 << 20, **kw)
+    return RankEngine(cfg, ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, world), rank=rank)
+
+
+def greedy(eng: RankEngine, prompts=PROMPTS, max_tokens: int = 12) -> dict[str, list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, params=params.to_dict()))
+    out = {str(i): [] for i in range(len(prompts))}
+    done = set()
+    for _ in range(1000):
+        for o in eng.step():
+            out[o.request_id] += o.token_ids
+            if o.finish_reason:
+                done.add(o.request_id)
+        if len(done) == len(prompts):
+            return out
+    raise AssertionError("engine did not finish")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _layer(capacity: int, packed, backend="torch") -> PackedLayerExperts:
+    return PackedLayerExperts(0, packed, capacity=capacity, policy="lru", dtype=torch.float32, backend=backend,
+                              worker=PrefetchWorker(sync=True), stats=RoutingStats(), demand_fill=False)
+
+
+def test_hit_and_miss_paths_agree_fp32():
+    g = torch.Generator().manual_seed(0)
+    E, D, I, R = 6, 64, 96, 40
+    gu, dn = torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
+    packed = quantize_local_experts(gu, dn, bits=3, group_size=32)
+    x = torch.randn(R, D, generator=g)
+    ids = torch.randint(0, E, (R,), generator=g)
+    ids[ids == 4] = 3  # one expert unused
+    all_hit, all_miss, some_hit = _layer(E, packed), _layer(0, packed), _layer(2, packed)
+    all_hit.warm(list(range(E)))
+    some_hit.warm([3, 5])
+    y_hit, y_miss, y_mix = all_hit(x, ids), all_miss(x, ids), some_hit(x, ids)
+    assert _rel(y_hit, y_miss) < 1e-5 and _rel(y_mix, y_miss) < 1e-5
+    assert all_hit.stats.summary()[0]["hit_rate"] == 1.0 and all_miss.stats.summary()[0]["hit_rate"] == 0.0
+    # and the function is the dequantized SwiGLU expert
+    e = int(ids[0])
+    w_gu, w_dn = dequantize(packed.gate_up[e]), dequantize(packed.down[e])
+    g_, u_ = (x[:1] @ w_gu.T).chunk(2, dim=1)
+    assert _rel(y_miss[:1], (torch.nn.functional.silu(g_) * u_) @ w_dn.T) < 1e-5
+    assert all_hit(x[:0], ids[:0]).shape == (0, D)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "predicted"])
+def test_eviction_policies(policy):
+    loads = []
+    c = ExpertCache(2, 5, policy, lambda e: loads.append(e) or (e,))
+    assert c.fill(0) and c.fill(1)
+    c.lookup([0]), c.lookup([0]), c.lookup([1])  # 0 used twice (LFU keeps it), 1 most recently (LRU keeps it)
+    c.set_scores({0: 0.1, 1: 0.9})  # predicted keeps 1
+    assert c.fill(2)
+    kept = {"lru": [1, 2], "lfu": [0, 2], "predicted": [1, 2]}[policy]
+    assert c.resident == kept
+    assert not c.fill(2)  # already resident: no load
+    assert c.fill(3, protect={kept[0], 2}) is False  # everything protected: no room
+    assert loads == [0, 1, 2]
+    with pytest.raises(ValueError, match="policy='mru'"):
+        ExpertCache(1, 2, "mru", lambda e: e)
+
+
+def test_full_and_quarter_cache_give_the_same_tokens(qwen_dir):
+    full = make_engine(qwen_dir, weight_bits=4)  # C = E: every expert resident
+    quarter = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=2, prefetch="markov")  # C = E / 4
+    assert full.expert_runtime.summary()["predictor"] == "none"
+    rt = quarter.expert_runtime
+    assert all(s is None or s.cache.capacity == 2 for s in rt.layers) and rt.layers[1] is None
+    ids = PROMPTS[1]
+    a, b = full.prompt_logits(ids), quarter.prompt_logits(ids)
+    assert _rel(b, a) < 1e-5
+    assert greedy(full) == greedy(quarter)
+    rt.wait_idle()
+    s = rt.summary()
+    assert s["policy"] == "predicted" and s["predictor"] == "markov"
+    assert 0 < s["hit_rate"] < 1 and 0 <= s["recall"] <= 1 and 0 <= s["thrashing"] <= 1
+    assert set(s["layers"]) == {0, 2} and s["layers"][2]["prefetched"] > 0
+    assert full.expert_runtime.summary()["hit_rate"] == 1.0
+    rt.detach()
+
+
+def test_quantized_tokens_close_to_full_precision(qwen_dir):
+    # 4-bit experts change logits a little, not the model: most greedy tokens agree on this tiny model.
+    a, b = greedy(make_engine(qwen_dir)), greedy(make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=4))
+    same = sum(x == y for k in a for x, y in zip(a[k], b[k]))
+    assert same >= 0.5 * sum(map(len, a.values()))
+
+
+def test_packed_checkpoint_round_trip_reads_only_rank_experts(qwen_dir, tmp_path):
+    dst = str(tmp_path / "packed")
+    qc = write_packed_checkpoint(qwen_dir, dst, bits=4, group_size=64)
+    assert read_quant_config(dst)["bits"] == 4 and 4 < qc["effective_bits"] < 5
+    mc = ModelConfig.from_pretrained(dst)
+    rank1 = load_packed_experts(dst, mc, 0, [4, 5, 6, 7])
+    assert rank1.num_experts == 4
+    eng = make_engine(qwen_dir)
+    ref = quantize_local_experts(eng.model.w["layers.0.w_gate_up"][4:], eng.model.w["layers.0.w_down"][4:],
+                                 bits=4, group_size=64)
+    assert torch.equal(rank1.gate_up.codes, ref.gate_up.codes) and torch.equal(rank1.down.scales, ref.down.scales)
+    # Rank 1 of 2 holds experts 4..7 only, read from the packed folder; a full-precision dense part.
+    r1 = make_engine(dst, world=2, rank=1)
+    assert r1.expert_runtime.layers[0].num_local == 4 and r1.model.w["layers.0.w_gate_up"].shape[0] == 0
+    # Serving the packed folder == quantizing at load time with the same settings.
+    loaded = make_engine(dst, expert_cache_capacity=2)
+    at_load = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=2)
+    assert _rel(loaded.prompt_logits(PROMPTS[0]), at_load.prompt_logits(PROMPTS[0])) < 1e-5  # hit/miss timing differs
+    with pytest.raises(ValueError, match="weight_bits=3 but model="):
+        make_engine(dst, weight_bits=3)
+
+
+def test_triton_backend_matches_torch(qwen_dir):
+    tri = make_engine(qwen_dir, weight_bits=3, expert_cache_capacity=2, prefetch="frequent", kernel_backend="triton")
+    ref = make_engine(qwen_dir, weight_bits=3, expert_cache_capacity=2, prefetch="frequent")
+    ids = PROMPTS[0]
+    assert _rel(tri.prompt_logits(ids), ref.prompt_logits(ids)) < 1e-4
+    assert greedy(tri, PROMPTS[:1], 4) == greedy(ref, PROMPTS[:1], 4)
+
+
+def test_calibration_seeds_the_predictor(qwen_dir, tmp_path):
+    dst = str(tmp_path / "packed")
+    write_packed_checkpoint(qwen_dir, dst, bits=4, group_size=64)
+    eng = make_engine(dst)
+    counts = calibrate(eng, [list(range(3, 60)), list(range(100, 140))], os.path.join(dst, TRANSITIONS_FILE))
+    assert counts.tokens == 57 + 40 and counts.inter[2].sum() == 97 * 4  # K * K pairs per token, 0 -> 2
+    seeded = make_engine(dst, expert_cache_capacity=2, prefetch="markov")
+    assert torch.equal(seeded.expert_runtime.predictor.counts.freq, counts.freq)
+
+
+def test_config_errors(qwen_dir):
+    with pytest.raises(ValueError, match="need packed experts"):
+        make_engine(qwen_dir, expert_cache_capacity=2)
+    with pytest.raises(ValueError, match="prefetch='oracle'"):
+        make_engine(qwen_dir, weight_bits=4, prefetch="oracle")
+    with pytest.raises(ValueError, match="capacity=-1"):
+        make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=-1)

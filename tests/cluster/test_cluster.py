@@ -1,0 +1,70 @@
+"""The EP cluster on Ray: 2 ranks equal 1 rank, streaming, bad input, idle ranks do not spin."""
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from actors.sampling import SamplingParams
+from moeray import LLM
+
+PROMPTS = ["To be, or not to be", "def add(a, b):", "The quick brown fox", "x"]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir):
+    return tiny_model_dir("qwen2_moe", num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def llm2(ray_session, model_path):
+    llm = LLM(model=model_path, ranks=2, max_model_len=128, kv_cache_bytes=4 << 20)
+    yield llm
+    llm.shutdown()
+
+
+def test_two_ranks_equal_one_rank(ray_session, model_path, llm2):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    two = llm2.generate(PROMPTS, params)
+    with LLM(model=model_path, ranks=1, max_model_len=128, kv_cache_bytes=4 << 20) as llm1:
+        one = llm1.generate(PROMPTS, params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in two)
+    # both ranks served sequences and all blocks came back
+    s = llm2.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert sum(r["steps"] for r in s["ranks"]) > 0
+    assert [row["layer"] for row in s["layers"]] == [0, 2]  # layer 1 is a dense MLP layer (mlp_only_layers)
+    assert all(row["tokens"] > 0 for row in s["layers"])
+
+
+def test_streaming_and_seeded_sampling(llm2):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=12, ignore_eos=True)
+    stream = llm2.stream("To be", params)
+    chunks = list(stream)
+    assert chunks[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for c in chunks) == 12
+    again = llm2.generate(["To be"], params)[0]
+    assert again.token_ids == stream.out.token_ids  # per-request seed reproduces the draw
+
+
+def test_bad_input_is_named_and_others_go_on(llm2):
+    outs = llm2.generate(["", "hello there", "x " * 50], [
+        SamplingParams(max_tokens=4), SamplingParams(temperature=0, max_tokens=4),
+        SamplingParams(temperature=0, max_tokens=120)])
+    assert outs[0].finish_reason == "error" and "prompt is empty" in outs[0].error
+    assert outs[1].finish_reason in ("length", "stop") and outs[1].error is None
+    assert outs[2].finish_reason == "error" and "max_tokens=120 exceeds the context window" in outs[2].error
+    assert llm2.generate(["next one"], SamplingParams(temperature=0, max_tokens=3))[0].error is None
+
+
+def test_idle_cluster_does_not_spin(llm2):
+    llm2.generate(["warm up"], SamplingParams(temperature=0, max_tokens=2))
+    time.sleep(1.0)
+    pids = [r["pid"] for r in llm2.cluster.info]
+    procs = [psutil.Process(p) for p in pids]
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(5.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+    assert max(used) < 0.2, f"rank CPU seconds over 5 idle seconds: {used}"

@@ -1,0 +1,296 @@
+"""OpenAI-style HTTP app over a real 1-rank tiny cluster, through a TestClient (no Serve needed), plus one
+real uvicorn server on 127.0.0.1 for the client-disconnect case. One cluster for the module."""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from router_service.serve_app import DEFAULT_CHAT_TEMPLATE, ChatTemplate, create_app, load_chat_template
+from tests.router_service.conftest import start_llm, wait_idle
+
+pytestmark = pytest.mark.ray
+
+PROMPT = "To be, or not to be"
+
+
+@pytest.fixture(scope="module")
+def llm(ray_session, tiny_moe_dir):
+    llm = start_llm(tiny_moe_dir, ranks=1)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(llm):
+    with TestClient(create_app(llm.router)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+def sse_events(resp) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            body = line[len("data: "):]
+            out.append(body if body == "[DONE]" else json.loads(body))
+    return out
+
+
+def complete(client, **kw):
+    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    body.update(kw)
+    return client.post("/v1/completions", json=body)
+
+
+def assert_served(client):
+    r = complete(client, max_tokens=2)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_models_health_metrics(client, llm, model_id):
+    assert model_id == llm.router.cfg.model.rstrip("/").split("/")[-1]
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["object"] == "model" and card["max_model_len"] == llm.router.cfg.max_model_len
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+    complete(client, max_tokens=2)
+    text = client.get("/metrics").text
+    assert "moeray_kv_blocks_total" in text and "moeray_generated_tokens_total" in text
+    assert 'moeray_http_requests_total{code="200",endpoint="/v1/completions"}' in text
+
+
+def test_completion_matches_router(client, llm, model_id):
+    from actors.sampling import SamplingParams
+
+    r = complete(client, max_tokens=10, model=model_id)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert d["object"] == "text_completion" and d["model"] == model_id
+    assert d["choices"][0]["text"] == ref.text and d["choices"][0]["finish_reason"] == "length"
+    assert d["usage"] == {"prompt_tokens": ref.prompt_tokens, "completion_tokens": 10,
+                          "total_tokens": ref.prompt_tokens + 10}
+
+
+def test_completion_stream_with_usage(client, llm):
+    full = complete(client, max_tokens=10).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+                                                        "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        ev = sse_events(r)
+    assert ev[-1] == "[DONE]"
+    usage = ev[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    chunks = ev[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_stream_without_usage(client):
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True,
+                                                        "stream_options": {"include_usage": False}}) as r:
+        ev = sse_events(r)
+    assert ev[-1] == "[DONE]" and all("usage" not in e for e in ev[:-1])
+
+
+def test_sampled_stream_text_is_whole_characters(client, llm):
+    """Byte-level random tokens split UTF-8 characters; SSE deltas must still add up to the decoded text."""
+    tok = llm.router.tokenizer
+    for seed in (4, 5):
+        body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 1.0, "seed": seed, "ignore_eos": True}
+        ref = complete(client, **body).json()["choices"][0]["text"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            ev = sse_events(r)
+        streamed = "".join(c["choices"][0]["text"] for c in ev[:-2])
+        assert streamed == ref  # same seed, same tokens
+        assert "\ufffd" not in streamed or "\ufffd" in ref
+    # and the stream equals a decode of the ids the router produced
+    from actors.sampling import SamplingParams
+
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True))[0]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_held_back_in_stream(client):
+    full = complete(client, max_tokens=24).json()["choices"][0]["text"]
+    stop = full[4:7]
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                        "ignore_eos": True, "stop": stop, "stream": True}) as r:
+        ev = sse_events(r)
+    chunks = ev[:-2]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[: full.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_n_and_batch(client):
+    r = complete(client, prompt=[PROMPT, "def add(a, b):"], n=2, max_tokens=4, temperature=0.8, seed=3)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    assert sorted(c["index"] for c in d["choices"]) == [0, 1, 2, 3]
+    assert d["usage"]["completion_tokens"] == 16
+
+
+def test_chat_completion_default_template(client, llm):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    r = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    d = r.json()
+    from actors.sampling import SamplingParams
+
+    prompt = "System: Be brief.\nUser: Hello\nAssistant:"
+    ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert d["object"] == "chat.completion"
+    assert d["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
+    assert d["usage"]["prompt_tokens"] == ref.prompt_tokens
+    with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                             "ignore_eos": True, "stream": True}) as r:
+        ev = sse_events(r)
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev[1:-2]) == ref.text
+    assert ev[-2]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_default_max_tokens_fills_context(client, llm):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
+                                                  "ignore_eos": True, "stream": True})
+    ev = sse_events(r)
+    u = ev[-2]["usage"]
+    assert u["total_tokens"] == llm.router.cfg.max_model_len
+    assert ev[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "</s>"}, "bos_token": "<s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant]{% endif %}"}))
+    t = load_chat_template(str(tmp_path))
+    assert t.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi</s>[assistant]"
+    assert load_chat_template(str(tmp_path / "missing")).template is not None
+    assert ChatTemplate(DEFAULT_CHAT_TEMPLATE).render([{"role": "user", "content": "x"}]) == "User: x\nAssistant:"
+
+
+@pytest.mark.parametrize("body, field, limit", [
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 100000}, "max_tokens", "context window"),
+    ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    ({"temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"n": 9}, "n", "less than or equal to 8"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": []}, "prompt", "empty"),
+    ({"prompt": [100000]}, "prompt", "out of range"),
+    ({"model": "gpt-4"}, "model", "not served"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"stop": ["a"] * 17}, "stop", "at most 16"),
+    ({"seed": -1}, "seed", "greater than or equal to 0"),
+    ({"logprobs": 5}, "logprobs", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0"),
+])
+def test_completion_validation_400(client, body, field, limit):
+    r = complete(client, **body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and limit in err["message"], err
+    assert field in err["message"]
+    assert_served(client)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
+])
+def test_chat_validation_400(client, body, field):
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert_served(client)
+
+
+def test_overload_503_at_once(client, llm):
+    from actors.sampling import SamplingParams
+
+    router = llm.router
+    old = router.max_queue
+    router.max_queue = 1
+    try:
+        hog = router.submit(PROMPT, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        t0 = time.monotonic()
+        r = complete(client, max_tokens=2)
+        assert r.status_code == 503 and r.headers.get("retry-after") == "1"
+        assert "queue limit" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 10  # refused, not queued behind the hog (loose bound: 2 busy cores)
+        hog.cancel()
+        hog.result(timeout=30)
+    finally:
+        router.max_queue = old
+    assert_served(client)
+    assert 'moeray_rejections_total{reason="overloaded"}' in client.get("/metrics").text
+
+
+def test_api_key(llm):
+    with TestClient(create_app(llm.router, api_key="k1")) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                      headers={"Authorization": "Bearer k1"}).status_code == 200
+        assert c.get("/health").status_code == 200  # probes need no key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_disconnect_mid_stream_frees_kv(llm):
+    """A real HTTP server (uvicorn on 127.0.0.1): closing the socket mid-stream aborts the request."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(llm.router), host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        steps0 = llm.router.stats()["ranks"][0]["steps"]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}),
+            headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        seen = 0
+        while seen < 3:
+            if resp.fp.readline().startswith(b"data: "):
+                seen += 1
+        assert llm.router.in_flight == 1
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        s = wait_idle(llm.router)
+        assert s["in_flight"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+        assert s["ranks"][0]["steps"] - steps0 < 150  # aborted well before max_tokens=200
+    finally:
+        server.should_exit = True
+        th.join(timeout=10)

@@ -1,0 +1,31 @@
+"""Router <-> rank msgpack messages carry a schema version; a message of another version is refused."""
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from actors.messages import SCHEMA_VERSION, GenerateRequest, TokenOutput, decode_outputs, encode_outputs
+
+
+def test_round_trip():
+    req = GenerateRequest(request_id="r1", prompt_ids=[1, 2], params={"max_tokens": 3}, arrival=1.5)
+    assert GenerateRequest.decode(req.encode()) == req
+    outs = [TokenOutput(request_id="r1", token_ids=[7], text="é", finish_reason="length")]
+    assert decode_outputs(encode_outputs(outs)) == outs
+
+
+@pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 0, None])
+def test_wrong_version_rejected(version):
+    body = {"type": "generate", "request_id": "r", "prompt_ids": [1], "params": {}, "arrival": 0.0}
+    if version is not None:
+        body["v"] = version
+    with pytest.raises(ValueError, match="schema version"):
+        GenerateRequest.decode(msgpack.packb(body, use_bin_type=True))
+    items = {"v": version, "type": "outputs", "items": []} if version is not None else {"type": "outputs", "items": []}
+    with pytest.raises(ValueError, match="schema version"):
+        decode_outputs(msgpack.packb(items, use_bin_type=True))
+
+
+def test_wrong_type_rejected():
+    with pytest.raises(ValueError, match="expected a 'generate' message"):
+        GenerateRequest.decode(encode_outputs([]))

@@ -1,0 +1,133 @@
+"""Expert-prefetch predictors and routing statistics (pure tensors, no model).
+
+Shape legend: T = tokens, L = layers, K = experts per token, E = experts, D = hidden.
+"""
+import math
+
+import pytest
+import torch
+
+from router_service.routing import stats
+from router_service.routing.prefetch import (
+    PREDICTORS,
+    ExpertPredictor,
+    FrequencyPredictor,
+    MarkovPredictor,
+    RoutingTrace,
+    TransitionCounts,
+    make_predictor,
+    prequential_eval,
+)
+
+E, K, L = 8, 2, 3
+
+
+def test_set_metrics_by_hand():
+    pred = torch.tensor([[0, 1, 2], [3, 4, -1]])
+    true = torch.tensor([[1, 5], [3, 4]])
+    assert stats.set_recall(pred, true, E) == pytest.approx((1 / 2 + 2 / 2) / 2)
+    assert stats.set_precision(pred, true, E) == pytest.approx((1 / 3 + 2 / 2) / 2)
+    a = torch.tensor([[0, 1], [2, 3], [0, 1]])
+    # consecutive rows: {0,1}->{2,3} distance 1, {2,3}->{0,1} distance 1
+    assert stats.thrashing(a, E) == pytest.approx(1.0)
+    assert stats.thrashing(torch.tensor([[0, 1], [1, 0]]), E) == 0.0
+    d = stats.jaccard_distance(torch.tensor([[0, 1]]), torch.tensor([[1, 2]]), E)
+    assert d.tolist() == pytest.approx([1 - 1 / 3])
+    assert stats.hit_rate(3, 4) == 0.75 and math.isnan(stats.hit_rate(0, 0))
+    assert stats.wasted_prefetches([1, 2, 3], [2]) == 2
+    assert math.isnan(stats.thrashing(a[:1], E))
+
+
+def test_routing_stats_summary():
+    s = stats.RoutingStats()
+    s.add_prediction(1, torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1]]), E)
+    s.add_lookups(1, hits=1, lookups=2)
+    s.add_prefetch(1, prefetched=3, wasted=1)
+    s.add_thrashing(1, torch.tensor([0.5, 1.0]))
+    out = s.summary()[1]
+    assert out["recall"] == 1.0 and out["precision"] == pytest.approx(2 / 3)
+    assert out["hit_rate"] == 0.5 and out["wasted_prefetch_frac"] == pytest.approx(1 / 3)
+    assert out["thrashing"] == pytest.approx(0.75)
+
+
+def _chain_trace(T: int, seed: int, with_hidden: bool = False, d: int = 16) -> RoutingTrace:
+    """Layer 0 uses two random distinct experts; layer l uses layer l-1's experts shifted by one, (e + 1) % E:
+    a deterministic chain. With hidden: a multi-hot code of layer l's experts (for a lookahead gate)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.empty(T, L, K, dtype=torch.int64)
+    ids[:, 0] = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    for l in range(1, L):
+        ids[:, l] = (ids[:, l - 1] + 1) % E
+    hidden = None
+    if with_hidden:
+        hidden = torch.zeros(T, L, d)
+        for l in range(L):
+            for k in range(K):
+                hidden[torch.arange(T), l, ids[:, l, k]] = 4.0
+    return RoutingTrace(ids=ids, hidden=hidden)
+
+
+def test_markov_learns_a_deterministic_chain_online():
+    traces = [_chain_trace(64, s) for s in range(3)]
+    preds = {"markov": MarkovPredictor(L, E, K), "frequent": FrequencyPredictor(L, E, K),
+             "none": make_predictor("none", num_layers=L, num_experts=E, top_k=K)}
+    res = {n: s.summary() for n, s in prequential_eval(preds, traces).items()}
+    # Markov needs a handful of tokens per source expert; after that it is exact.
+    assert all(res["markov"][l]["recall"] > 0.9 for l in (1, 2))
+    assert all(res["markov"][l]["recall"] > res["frequent"][l]["recall"] + 0.3 for l in (1, 2))
+    assert math.isnan(res["none"][1]["recall"]) or res["none"][1]["recall"] == 0.0
+    assert 0 not in res["markov"]  # the first MoE layer has no previous layer to predict from
+
+
+def test_seeded_markov_is_right_from_the_first_token():
+    cal = _chain_trace(256, 0)
+    counts = TransitionCounts.zeros(L, E)
+    for l in range(L):
+        counts.observe(l, cal.ids[:, l], cal.ids[:, l - 1] if l else None, None)
+    assert counts.tokens == 256
+    p = MarkovPredictor(L, E, K, counts=counts)
+    t = _chain_trace(8, 1)
+    pred = p.predict(1, t.ids[:, 0], None, None, 8)
+    assert pred.shape == (8, K + 1)
+    assert stats.set_recall(pred, t.ids[:, 1], E) == 1.0
+
+
+def test_lookahead_and_hybrid_use_the_hidden_state():
+    d = 16
+    # Gate of layer l maps the hidden code of expert e (at l-1) to expert (e+1).
+    gates = [None] + [torch.zeros(E, d) for _ in range(L - 1)]
+    for l in range(1, L):
+        for e in range(E):
+            gates[l][(e + 1) % E, e] = 3.0
+    look = make_predictor("lookahead", num_layers=L, num_experts=E, top_k=K, gate_weights=gates)
+    hyb = make_predictor("hybrid", num_layers=L, num_experts=E, top_k=K, gate_weights=gates)
+    res = prequential_eval({"lookahead": look, "hybrid": hyb}, [_chain_trace(32, 3, with_hidden=True, d=d)])
+    assert res["lookahead"].summary()[1]["recall"] == 1.0
+    assert res["hybrid"].summary()[2]["recall"] > 0.9
+
+
+def test_transition_counts_save_load(tmp_path):
+    c = TransitionCounts.zeros(L, E)
+    tr = _chain_trace(20, 5)
+    for l in range(L):
+        c.observe(l, tr.ids[:, l], tr.ids[:, l - 1] if l else None, tr.ids[:, l].roll(1, 0))
+    f = tmp_path / "t.safetensors"
+    c.save(str(f), {"note": "test"})
+    d = TransitionCounts.load(str(f))
+    assert torch.equal(d.inter, c.inter) and torch.equal(d.intra, c.intra) and torch.equal(d.freq, c.freq)
+    assert d.tokens == 20
+    with pytest.raises(FileNotFoundError):
+        TransitionCounts.load(str(tmp_path / "missing"))
+
+
+def test_predictor_errors_and_union():
+    with pytest.raises(ValueError, match="prefetch='bogus'"):
+        make_predictor("bogus", num_layers=L, num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match="gate_weights"):
+        make_predictor("lookahead", num_layers=L, num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match="top_k=9"):
+        MarkovPredictor(L, E, 9)
+    assert ExpertPredictor.union(torch.tensor([[3, 1, -1], [1, 0, 3]])) == [0, 1, 3]
+    assert set(PREDICTORS) == {"none", "frequent", "markov", "lookahead", "hybrid"}
+    none = make_predictor("none", num_layers=L, num_experts=E, top_k=K)
+    assert none.predict(1, None, None, None, 4).shape == (4, 0)

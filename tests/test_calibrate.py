@@ -1,0 +1,77 @@
+"""`moeray calibrate` writes a KV quantization profile the engine can load; the `auto` profile rule."""
+import json
+import os
+
+import pytest
+import torch
+
+from actors.kv_profiles import (CODE_CHAR_THRESHOLD, choose_profile, code_fraction, load_profile, load_profiles,
+                                model_effective_bits)
+from moeray.cli import main
+
+PROSE = "Full fathom five thy father lies; of his bones are coral made. " * 8
+CODE = "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i * 2))\n" * 8
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("calib")
+    (d / "prose.txt").write_text(PROSE)
+    (d / "code.txt").write_text(CODE)
+    return tiny_model_dir("qwen2_moe"), d
+
+
+def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
+    model, d = model_and_data
+    out = d / "kv_profiles"
+    rc = main(["calibrate", "--domain", "code", "--data", str(d / "code.txt"), "--bits", "3", "--model", model,
+               "--tokens", "150", "--window", "64", str(out)])
+    assert rc == 0
+    cap = capsys.readouterr()
+    assert "calibrate code 3-bit" in cap.err  # tqdm progress bar on stderr
+    st = out / "code-3bit.safetensors"
+    assert cap.out.strip() == str(st) and st.is_file()
+    meta = json.loads((out / "code-3bit.json").read_text())
+    assert meta["domain"] == "code" and meta["bits"] == 3 and meta["n_outlier_k"] == 2
+    assert meta["calibration_files"] == ["code.txt"] and 0 < meta["calibration_tokens"] <= 150
+    assert 3.0 < meta["effective_bits_1024"] < 6.0  # D=16: 2 fp16 outlier channels weigh a lot
+    prof = load_profile(str(st))
+    assert prof.num_layers == 2 and prof.bits == 3 and prof.name == "code"
+    assert model_effective_bits(prof, 1024) == pytest.approx(meta["effective_bits_1024"], abs=1e-4)
+    # a folder of profiles resolves by name, and the engine builds its cache from it
+    rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "3", "--model", model,
+               "--tokens", "150", "--window", "64", str(out)])
+    assert rc == 0
+    profiles, default = load_profiles(model, 3, str(out))
+    assert sorted(profiles) == ["code", "prose"] and default == "auto"
+    from actors.config import ModelConfig
+    from actors.dispatch import ExpertPlacement
+    from actors.engine import EngineConfig, RankEngine
+
+    mc = ModelConfig.from_pretrained(model)
+    eng = RankEngine(EngineConfig(model=model, kv_bits=3, kv_profile=str(out), max_model_len=64,
+                                  kv_cache_bytes=2**21), ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
+    logits = eng.prompt_logits(list(range(1, 40)))
+    assert torch.isfinite(logits).all()
+    assert eng.cache.choose_profile("auto", CODE) == "code"
+    assert eng.cache.choose_profile(None, PROSE) == "prose"
+
+
+def test_calibrate_errors(model_and_data, capsys):
+    model, d = model_and_data
+    assert main(["calibrate", "--domain", "x", "--data", str(d / "missing.txt"), "--bits", "2", "--model", model,
+                 str(d / "o")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["calibrate", "--domain", "x", "--data", str(d / "code.txt"), "--bits", "2", "--model", model,
+                 "--n-outlier", "999", str(d / "o")]) == 2
+    assert "n_outlier=999" in capsys.readouterr().err
+
+
+def test_auto_rule():
+    assert code_fraction(PROSE) < CODE_CHAR_THRESHOLD <= code_fraction(CODE)
+    assert choose_profile("auto", ["code", "prose"], "auto", CODE) == "code"
+    assert choose_profile("auto", ["code", "prose"], "auto", PROSE) == "prose"
+    assert choose_profile(None, ["code", "prose"], "code", PROSE) == "code"  # engine default wins over auto
+    assert choose_profile("auto", ["prose"], "auto", CODE) == "prose"  # no code profile: fall back
+    with pytest.raises(ValueError, match="kv_profile='math' is not loaded"):
+        choose_profile("math", ["code", "prose"], "auto", PROSE)
