@@ -71,7 +71,7 @@ def cmd_serve(a) -> int:
     args = ServeAppArgs(model=os.path.abspath(a.model), ranks=a.ranks or 2, max_queue=a.max_queue, api_key=api_key,
                         grpc_port=a.grpc_port or None, grpc_host=a.host, served_model_name=a.served_model_name)
     serve.start(http_options={"host": a.host, "port": a.http_port})
-    # the one replica owns the EP cluster: pin it to 1 here (deploy/serve_config.yaml autoscales)
+    # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
     app = build_app(args)
     serve.run(app, name="moeray", route_prefix="/", blocking=False)
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1"
