@@ -104,7 +104,7 @@ class RankEngine:
         self._aborts: set[str] = set()
         self.outputs: list[TokenOutput] = []
         self._kv_profile_of: dict[str, str] = {}  # request id -> KV quantization profile (quantized cache only)
-        self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0}
+        self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0, "sync_s": 0.0}
 
     # ------------------------------------------------------------------------ seams
     def _build_kv_cache(self):

@@ -32,7 +32,7 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -144,22 +144,29 @@ class ExpertCache:
             return min(cands, key=lambda e: (self._uses[e], self._last[e]))
         return min(cands, key=lambda e: (self._score[e], self._last[e]))
 
-    def fill(self, e: int, protect: set[int] = frozenset()) -> bool:
-        """Make expert `e` ready, evicting one not in `protect` if full. Returns True if it was loaded now."""
+    def _admit(self, e: int, protect: set[int], speculative: bool) -> bool:
+        if len(self._ready) < self.capacity:
+            return True
+        v = self._victim(protect | {e})
+        # A speculative (prefetch) fill under the `predicted` policy must be more useful than what it evicts.
+        return v is not None and not (speculative and self.policy == "predicted" and self._score[e] <= self._score[v])
+
+    def fill(self, e: int, protect: set[int] = frozenset(), speculative: bool = False) -> bool:
+        """Make expert `e` ready, evicting one not in `protect` if full. Returns True if it was loaded now.
+
+        `speculative` marks a prefetch: under the `predicted` policy it is dropped unless `e` scores higher
+        than the expert it would evict.
+        """
+        protect = set(protect)
         with self._lock:
-            if e in self._ready or self.capacity == 0:
-                return False
-            if len(self._ready) >= self.capacity and self._victim(set(protect) | {e}) is None:
+            if e in self._ready or self.capacity == 0 or not self._admit(e, protect, speculative):
                 return False
         w = self.loader(e)
         with self._lock:
-            if e in self._ready:
+            if e in self._ready or not self._admit(e, protect, speculative):
                 return False
             if len(self._ready) >= self.capacity:
-                v = self._victim(set(protect) | {e})
-                if v is None:
-                    return False
-                del self._ready[v]
+                del self._ready[self._victim(protect | {e})]
             self._ready[e] = w
             return True
 
@@ -200,7 +207,7 @@ class PrefetchWorker:
                         fn()
                 else:
                     fn()
-            except Exception:  # noqa: BLE001 - a failed prefetch only costs a miss
+            except Exception:
                 log.exception("expert prefetch failed")
             finally:
                 self._q.task_done()
@@ -257,7 +264,7 @@ class PackedLayerExperts:
         def run() -> None:
             try:
                 for e in todo:
-                    if self.cache.fill(e, protect):
+                    if self.cache.fill(e, protect, speculative=prefetch):
                         with self._lock:
                             self.stats.add_fills(self.layer, 1)
                             if prefetch:
@@ -324,7 +331,8 @@ class ExpertRuntime:
         predictor: next-layer expert predictor (a NoPredictor disables prefetch).
         policy: eviction policy (default: `predicted` with a predictor, else `lru`).
         backend: "torch" | "triton". async_prefetch: fills on a worker thread (False: inline, deterministic).
-        budget: experts predicted per token (default K + 1).
+        budget: experts predicted per token (default K + 1). demand_fill: queue a missed expert for the cache.
+        warm_counts: calibration counts that order the initial cache fill (most frequent first).
     Raises:
         ValueError: capacity < 0, unknown policy or backend.
     """
@@ -332,7 +340,7 @@ class ExpertRuntime:
     def __init__(self, *, model_cfg: ModelConfig, local: list[list[int]], packed: list[PackedExperts | None],
                  dtype: torch.dtype, device: torch.device, capacity: int | None, predictor: ExpertPredictor,
                  policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
-                 budget: int | None = None, demand_fill: bool = True):
+                 budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None):
         mc = model_cfg
         if capacity is not None and capacity < 0:
             raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
@@ -359,14 +367,14 @@ class ExpertRuntime:
         self.prev_moe = {l: (moe[i - 1] if i else None) for i, l in enumerate(moe)}
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
         self.first_moe = moe[0] if moe else None
-        self._warm()
+        self._warm(warm_counts)
         self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
         self._T = 0
         self._model = None
 
-    def _warm(self) -> None:
+    def _warm(self, counts: TransitionCounts | None) -> None:
         """Start with the cache full: the calibration's most frequent experts first (else the lowest ids)."""
-        freq = getattr(getattr(self.predictor, "markov", self.predictor), "counts", None)
+        freq = counts or getattr(getattr(self.predictor, "markov", self.predictor), "counts", None)
         for l, store in enumerate(self.layers):
             if store is None or store.cache.capacity == 0:
                 continue
@@ -515,7 +523,7 @@ def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bit
     """Pack one layer's local experts `[E_loc, 2I, D]`, `[E_loc, D, I]` (None when E_loc = 0)."""
     if w_gate_up.shape[0] == 0:
         return None
-    kw = dict(bits=bits, group_size=group_size, codebook=codebook)
+    kw = {"bits": bits, "group_size": group_size, "codebook": codebook}
     return PackedExperts(gate_up=quantize(w_gate_up, **kw), down=quantize(w_down, **kw))
 
 
@@ -550,7 +558,7 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
                           norm_eps=mc.rms_norm_eps)
     return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=model.dtype, device=model.device,
                          capacity=capacity, predictor=pred, policy=policy, backend=backend,
-                         async_prefetch=async_prefetch)
+                         async_prefetch=async_prefetch, warm_counts=counts)
 
 
 def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, local: list[list[int]]):
@@ -643,7 +651,7 @@ def transitions_from_traces(traces: list[RoutingTrace], num_layers: int, num_exp
     return c
 
 
-def calibrate(engine, token_chunks: list[list[int]], out_path: str | None = None,
+def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = None,
               meta: dict | None = None) -> TransitionCounts:
     """Calibration run: route `token_chunks` through the model and count expert transitions; optionally
     save them (`out_path`, usually `<model>/expert_transitions.safetensors`)."""

@@ -154,5 +154,5 @@ def packed_layer_names(path: str) -> list[str]:
     for fn in sorted(os.listdir(path)):
         if fn.endswith(".safetensors") and fn != TRANSITIONS_FILE:
             with safe_open(os.path.join(path, fn), "pt") as f:
-                names += [n for n in f.keys() if ".experts.packed." in n]
+                names += [n for n in f.keys() if ".experts.packed." in n]  # noqa: SIM118 - safe_open has no __iter__
     return names

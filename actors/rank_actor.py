@@ -66,8 +66,11 @@ class RankWorker:
     def setup(self, master_addr: str, master_port: int, backend: str = "gloo", timeout_s: float = 10.0) -> dict:
         """Join the process group (if world_size > 1), load weights, start the loop thread."""
         if self.world_size > 1:
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
-                                    world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+            # rendezvous may wait for slow-starting peers; collectives themselves time out after timeout_s
+            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=self.rank == 0,
+                                  timeout=timedelta(seconds=max(120.0, timeout_s)))
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group)
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
@@ -138,7 +141,9 @@ class RankWorker:
                     seen, stop = self._wake_seq, self._stop
                 flag[0], flag[1], flag[2] = int(self.engine.has_work), seen, int(stop)
                 if self.world_size > 1:
+                    t0 = time.perf_counter()
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+                    self.engine.timing["sync_s"] += time.perf_counter() - t0
                 agreed = int(flag[1])
                 if flag[2]:
                     break

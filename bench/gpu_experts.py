@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.packed_weights import PackedExperts, PackedWeight, words_per_row  # noqa: E402
+from kernels.packed_weights import PackedExperts, PackedWeight, words_per_row
 
 PEAK_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
 
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             xs = x[(order // K).to(dev)].contiguous()
             used = int((counts > 0).sum())
             nbytes = used * per_expert + 2 * xs.numel() * xs.element_size()
-            ms = timed(lambda: tri.packed_expert_ffn(xs, counts, experts), iters, cuda)
+            ms = timed(lambda xs=xs, counts=counts, experts=experts: tri.packed_expert_ffn(xs, counts, experts),
+                       iters, cuda)
             gbps = nbytes / (ms * 1e-3) / 1e9
             frac = gbps / peak if peak else 0.0
             res[f"bw_frac_{bits}b_b{b}"], res[f"ms_{bits}b_b{b}"] = frac, ms
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = routing(b, E, K, gen)
         x = torch.randn(b, D, generator=gen).to(dev, dtype)
 
-        def dense_call() -> None:
+        def dense_call(x=x, ids=ids) -> None:
             for e in ids.flatten().unique().tolist():
                 g, u = (x @ dense["gu"][e].T).chunk(2, dim=-1)
                 (torch.nn.functional.silu(g) * u) @ dense["dn"][e].T

@@ -46,7 +46,8 @@ class EPCluster:
             ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank)
             for i in range(cfg.ranks)
         ]
-        addr, port = ray.get(self.ranks[0].node_address.remote(), timeout=timeout_s)
+        # every actor process up before the rendezvous starts
+        addr, port = ray.get([r.node_address.remote() for r in self.ranks], timeout=timeout_s)[0]
         self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s) for r in self.ranks],
                             timeout=timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]

@@ -27,6 +27,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4],
+                   help="quantize the KV cache to this many bits per element (default: full precision)")
+    p.add_argument("--kv-profile", default=None,
+                   help="KV quantization profile: a name in <model>/kv_profiles (prose, code), 'auto' (per prompt), "
+                        "a profile .safetensors path, or a folder of profiles")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
@@ -52,6 +57,7 @@ def cmd_generate(a) -> int:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
+    kw["engine_options"] = {k: v for k, v in (("kv_bits", a.kv_bits), ("kv_profile", a.kv_profile)) if v is not None}
     experts_kw = {"weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
                   "kernel_backend": a.kernel_backend}
     kw["engine_options"] = {**kw.get("engine_options", {}), **{k: v for k, v in experts_kw.items() if v is not None}}

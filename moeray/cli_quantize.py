@@ -93,7 +93,7 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     eng = RankEngine(cfg, ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
     path = os.path.join(model, TRANSITIONS_FILE)
     it = tqdm(chunks, desc="calibrating expert transitions", unit="seq", file=sys.stderr, disable=not progress)
-    calibrate(eng, list(it), path, meta={"tokens": sum(map(len, chunks)), "sequences": len(chunks)})
+    calibrate(eng, it, path, meta={"tokens": sum(map(len, chunks)), "sequences": len(chunks)})
     if eng.expert_runtime is not None:
         eng.expert_runtime.detach()
     return path

@@ -68,7 +68,10 @@ def cmd_serve(a) -> int:
             ray.init(address=addr, log_to_driver=True)
         else:
             ray.init(include_dashboard=False)
-    args = ServeAppArgs(model=os.path.abspath(a.model), ranks=a.ranks or 2, max_queue=a.max_queue, api_key=api_key,
+    import torch
+
+    ranks = a.ranks or (torch.cuda.device_count() or 2)  # as LLM / ClusterConfig.auto: one per GPU, else 2
+    args = ServeAppArgs(model=os.path.abspath(a.model), ranks=ranks, max_queue=a.max_queue, api_key=api_key,
                         grpc_port=a.grpc_port or None, grpc_host=a.host, served_model_name=a.served_model_name)
     serve.start(http_options={"host": a.host, "port": a.http_port})
     # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead

