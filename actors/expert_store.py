@@ -333,6 +333,8 @@ class ExpertRuntime:
         backend: "torch" | "triton". async_prefetch: fills on a worker thread (False: inline, deterministic).
         budget: experts predicted per token (default K + 1). demand_fill: queue a missed expert for the cache.
         warm_counts: calibration counts that order the initial cache fill (most frequent first).
+        min_prefetch_prob: prefetch an expert only if some token's predicted probability of using it is at
+            least this (0: every expert in the budget, as the issue's k + 1 rule says).
     Raises:
         ValueError: capacity < 0, unknown policy or backend.
     """
@@ -340,7 +342,8 @@ class ExpertRuntime:
     def __init__(self, *, model_cfg: ModelConfig, local: list[list[int]], packed: list[PackedExperts | None],
                  dtype: torch.dtype, device: torch.device, capacity: int | None, predictor: ExpertPredictor,
                  policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
-                 budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None):
+                 budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None,
+                 min_prefetch_prob: float = 0.0):
         mc = model_cfg
         if capacity is not None and capacity < 0:
             raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
@@ -350,6 +353,7 @@ class ExpertRuntime:
         self.policy = policy or ("predicted" if self.prefetching else "lru")
         self.budget = min(mc.top_k + 1 if budget is None else budget, mc.num_experts)
         self.capacity = capacity
+        self.min_prefetch_prob = min_prefetch_prob
         self.stats = RoutingStats()
         self.worker = PrefetchWorker(sync=not async_prefetch, device=device)
         self.local_of = [{g: i for i, g in enumerate(ids)} for ids in local]
@@ -489,7 +493,8 @@ class ExpertRuntime:
         agg = s.sum(0)  # [E] expected uses in the batch
         lo = self.local_of[layer]
         store.cache.set_scores({i: float(agg[g]) for g, i in lo.items()})
-        want = [lo[g] for g in ExpertPredictor.union(pred) if g in lo]
+        top = s.max(0).values  # [E] best per-token probability
+        want = [lo[g] for g in ExpertPredictor.union(pred) if g in lo and float(top[g]) >= self.min_prefetch_prob]
         want.sort(key=lambda i: -float(agg[self.local[layer][i]]))
         want = want[: store.cache.capacity]
         store.request(want, protect=set(want), prefetch=True)
@@ -530,7 +535,7 @@ def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bit
 def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], packed: list[PackedExperts | None],
                   model_path: str | None, capacity: int | None, prefetch: str = "auto", policy: str | None = None,
                   backend: str = "torch", async_prefetch: bool = True,
-                  counts: TransitionCounts | None = None) -> ExpertRuntime:
+                  counts: TransitionCounts | None = None, **runtime_kw) -> ExpertRuntime:
     """An ExpertRuntime for `model` (not yet attached).
 
     `prefetch="auto"` picks DEFAULT_PREDICTOR when the cache cannot hold every local expert, else none.
@@ -558,7 +563,7 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
                           norm_eps=mc.rms_norm_eps)
     return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=model.dtype, device=model.device,
                          capacity=capacity, predictor=pred, policy=policy, backend=backend,
-                         async_prefetch=async_prefetch, warm_counts=counts)
+                         async_prefetch=async_prefetch, warm_counts=counts, **runtime_kw)
 
 
 def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, local: list[list[int]]):

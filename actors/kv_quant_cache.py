@@ -1,8 +1,8 @@
 """Sub-4-bit, outlier-aware, non-uniform paged KV cache (KVQuant, arXiv 2401.18079) behind `KVCache`.
 
 Where a sequence's tokens live (one layer; Ns = sink tokens, S = block_size, p = position):
-  * p < Ns (attention sink, KVQuant section 3.5 / StreamingLLM): full precision, in the sequence's
-    staging slot, rows [0, Ns);
+  * p < Ns (attention sink: KVQuant keeps the first token in fp16; StreamingLLM, arXiv 2309.17453): full
+    precision, in the sequence's staging slot, rows [0, Ns);
   * quantized token t = p - Ns lives in block `block_table[t // S]` at slot t % S of the layer's `KVPages`
     (packed codes + per-token V scale + dense outlier channels; keys stored pre-RoPE, per channel);
   * the block being filled (t // S == number of sealed blocks) stays full precision in the staging slot,
@@ -37,7 +37,6 @@ from actors.kv_profiles import AUTO, ModelKVProfile, choose_profile
 from kernels.kv_quant import KVPages, dequantize_keys, dequantize_values, quantize_kv
 from kernels.paged_attention import apply_rope, rope_tables
 
-_FP_BYTES_ACCOUNTED = 2  # full-precision tokens counted as fp16/bf16 in effective bits (the serving dtype)
 
 
 class _SequenceAllocator(BlockAllocator):
@@ -403,7 +402,8 @@ class QuantizedPagedKVCache(KVCache):
         sealed, _ = self._split(ctx)
         n_blk = sealed // s
         if n_blk:
-            qkv = self.pages[layer].read(table[:n_blk].repeat_interleave(s), torch.arange(s, device=self.device).repeat(n_blk))
+            slots = torch.arange(s, device=self.device).repeat(n_blk)
+            qkv = self.pages[layer].read(table[:n_blk].repeat_interleave(s), slots)
             k_dq_sealed, v_dq_sealed = dequantize_keys(qkv.k_codes, qkv.k_outliers, prof), \
                 dequantize_values(qkv.v_codes, qkv.v_scale, qkv.v_outliers, prof)
         else:
@@ -447,13 +447,14 @@ def build_engine_kv_cache(cfg, mc, *, device: torch.device | str = "cpu") -> Qua
     sink = 1
     slots = cfg.max_num_seqs + 1  # +1: RankEngine.prompt_logits runs outside the scheduler
     fixed = QuantizedPagedKVCache.staging_bytes_for(mc.num_layers, slots, sink, cfg.block_size, mc.num_kv_heads,
-                                                    mc.head_dim, cfg.torch_dtype) + sum(p.nbytes() for p in profiles.values())
+                                                    mc.head_dim, cfg.torch_dtype)
+    fixed += sum(p.nbytes() for p in profiles.values())
     per_block = QuantizedPagedKVCache.bytes_per_block_for(any_p, cfg.block_size)
     num_blocks = max(0, cfg.kv_cache_bytes - fixed) // per_block
     need = math.ceil(cfg.max_model_len / cfg.block_size)
     if num_blocks < need:
-        raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} quantized blocks of {per_block} bytes "
-                         f"after {fixed} bytes of staging and profiles; one max_model_len={cfg.max_model_len} "
+        raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} quantized blocks of {per_block} "
+                         f"bytes after {fixed} bytes of staging and profiles; one max_model_len={cfg.max_model_len} "
                          f"sequence needs {need}")
     return QuantizedPagedKVCache(
         num_layers=mc.num_layers, num_blocks=num_blocks, block_size=cfg.block_size, num_kv_heads=mc.num_kv_heads,

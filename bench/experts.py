@@ -52,6 +52,7 @@ from router_service.routing.prefetch import (
     make_predictor,
     prequential_eval,
 )
+from router_service.routing.stats import thrashing
 
 HELDOUT_PROSE = ("tempest_gut.txt", "tempest_gut_f.txt")
 
@@ -251,11 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             c = st.c
             recall[k][d] = sum(v["pred_inter"] for v in c.values()) / sum(v["true_n"] for v in c.values())
             prec[k][d] = sum(v["pred_inter"] for v in c.values()) / sum(v["pred_n"] for v in c.values())
-    thr = {d: sum(float(
-        torch.tensor([1 - len(set(a_) & set(b_)) / len(set(a_) | set(b_))
-                      for a_, b_ in zip(tr.ids[1:, l].tolist(), tr.ids[:-1, l].tolist())]).mean())
-        for tr in traces[d] for l in range(mc.num_layers) if mc.moe_layers[l]) / (len(traces[d]) * sum(mc.moe_layers))
-        for d in data}
+    moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
+    thr = {d: sum(thrashing(tr.ids[:, l], E) for tr in traces[d] for l in moe) / (len(traces[d]) * len(moe))
+           for d in data}
     print(f"{'predictor':>18} {'recall prose':>12} {'recall code':>11} {'prec prose':>10} {'prec code':>9}")
     for k in kinds:
         print(f"{k:>18} {recall[k]['prose']:>12.3f} {recall[k]['code']:>11.3f} {prec[k]['prose']:>10.3f} "
@@ -266,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     mean_recall = {k: (v["prose"] + v["code"]) / 2 for k, v in recall.items()}
 
     # ---------------------------------------------------------------- 3. decode speed
-    print(f"\n3. decode TPOT (ms per step, median; sampled at T=0.8), {a.decode_bits}-bit uniform experts, {dec_tokens} tokens, "
+    print(f"\n3. decode TPOT (ms per step, median; sampled at T=0.8), {a.decode_bits}-bit uniform experts, "
+          f"{dec_tokens} tokens, "
           f"torch threads {a.threads} (+ 1 prefetch worker thread)")
     print(f"{'experts':>12} {'C':>3} {'prefetch':>9} {'evict':>9} {'b=1 ms':>8} {'b=8 ms':>8} {'hit b1':>7} "
           f"{'hit b8':>7} {'recall':>7} {'wasted':>7}")

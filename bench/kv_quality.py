@@ -120,7 +120,8 @@ def ppl(engine, cache, windows) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--quick", action="store_true", help="2 windows per domain, 4096 calibration tokens, ablations at 3 bits only")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 windows per domain, 4096 calibration tokens, ablations at 3 bits only")
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows per domain at most")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="held-out head used for calibration")
     ap.add_argument("--threads", type=int, default=0)

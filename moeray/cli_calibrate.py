@@ -68,8 +68,8 @@ def cmd_calibrate(a) -> int:
     t0 = time.perf_counter()
     with tqdm(total=len(ids), unit="tok", desc=f"calibrate {a.domain} {a.bits}-bit", file=sys.stderr) as bar:
         k, v = collect_calibration_kv(eng, ids, window=window, progress=bar.update)
-    meta = {"model": os.path.basename(os.path.abspath(a.model)), "calibration_files": [os.path.basename(f) for f in a.data],
-            "calibration_tokens": len(ids)}
+    meta = {"model": os.path.basename(os.path.abspath(a.model)),
+            "calibration_files": [os.path.basename(f) for f in a.data], "calibration_tokens": len(ids)}
     try:
         prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, n_outlier=a.n_outlier,
                                  n_outlier_v=a.n_outlier_v, percentile=a.percentile, codebook=a.codebook,

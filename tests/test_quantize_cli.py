@@ -20,7 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def packed_dir(tiny_model_dir, tmp_path_factory):
     src = tiny_model_dir("qwen2_moe", num_layers=3)
     dst = str(tmp_path_factory.mktemp("packed") / "q3")
-    rc = main(["quantize", "--bits", "3", "--group-size", "64", "--calib-tokens", "256", "--calib-chunk", "64", src, dst])
+    rc = main(["quantize", "--bits", "3", "--group-size", "64", "--calib-tokens", "256", "--calib-chunk", "64",
+               src, dst])
     assert rc == 0
     return src, dst
 

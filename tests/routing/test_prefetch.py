@@ -90,6 +90,10 @@ def test_seeded_markov_is_right_from_the_first_token():
     pred = p.predict(1, t.ids[:, 0], None, None, 8)
     assert pred.shape == (8, K + 1)
     assert stats.set_recall(pred, t.ids[:, 1], E) == 1.0
+    # A longer calibration run is a prior worth `prior_tokens` tokens, so online evidence can take over.
+    big = TransitionCounts(inter=counts.inter * 4, intra=counts.intra * 4, freq=counts.freq * 4, tokens=1024)
+    assert float(MarkovPredictor(L, E, K, counts=big).counts.freq[0].sum()) == pytest.approx(256 * K)
+    assert float(MarkovPredictor(L, E, K, counts=big, prior_tokens=None).counts.freq[0].sum()) == 1024 * K
 
 
 def test_lookahead_and_hybrid_use_the_hidden_state():
