@@ -56,5 +56,11 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end of the sequence: release whatever is held (no stop string matched)."""
+        """At the end of the sequence: release whatever is held (no stop string matched).
+
+        A character left incomplete by the last token (cut by max_tokens) can never complete, so
+        the final text is exactly `tokenizer.decode(ids)`, trailing U+FFFD included.
+        """
+        if not self.stopped and self.ids:
+            self.text = self.tok.decode(self.ids, skip_special_tokens=True)
         return self._release(len(self.text))

@@ -80,17 +80,18 @@ class AllToAllDispatcher(Dispatcher):
     Timings of the collectives are accumulated in `comm_s` (seconds) for the benchmark breakdown.
     """
 
-    def __init__(self, placement: ExpertPlacement, rank: int, group=None):
+    def __init__(self, placement: ExpertPlacement, rank: int, group=None, device: torch.device | str = "cpu"):
         self.placement = placement
         self.rank = rank
         self.world = placement.world_size
         self.group = group
+        self.device = torch.device(device)
         self.comm_s = 0.0
         self._tables(placement)
 
     def _tables(self, placement: ExpertPlacement) -> None:
-        self.rank_of = [torch.tensor(r, dtype=torch.int64) for r in placement.rank_of]
-        self.local_of = [torch.tensor(i, dtype=torch.int64) for i in placement.local_index]
+        self.rank_of = [torch.tensor(r, dtype=torch.int64, device=self.device) for r in placement.rank_of]
+        self.local_of = [torch.tensor(i, dtype=torch.int64, device=self.device) for i in placement.local_index]
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
         t0 = time.perf_counter()

@@ -52,6 +52,7 @@ class EngineConfig:
     weight_group_size: int = 64
     expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: all)
     prefetch: str = "none"  # expert prefetch predictor name
+    device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -69,6 +70,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
 
 class RankEngine:
@@ -91,8 +98,9 @@ class RankEngine:
                              f"max_position_embeddings={mc.max_position_embeddings}")
         dtype = cfg.torch_dtype
         local = [placement.local_experts(l, rank) for l in range(mc.num_layers)]
-        weights = load_rank_weights(cfg.model, mc, local, dtype)
-        self.dispatcher = AllToAllDispatcher(placement, rank, group)
+        self.device = cfg.torch_device
+        weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype).items()}
+        self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)
         self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
         self.model.experts = self._build_experts(weights, local)
         self.cache = self._build_kv_cache()
@@ -120,7 +128,7 @@ class RankEngine:
         if num_blocks < need:
             raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
                              f"one max_model_len={cfg.max_model_len} sequence needs {need}")
-        return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+        return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype, self.device)
 
     def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
         """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers).
@@ -200,14 +208,15 @@ class RankEngine:
         tables = torch.zeros(len(decodes), M, dtype=torch.int64)
         for j, seq in enumerate(decodes):
             tables[j, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+        dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            decode_tokens=torch.tensor(dec_tok, dtype=torch.int64),
-            decode_block_tables=tables,
-            decode_context_lens=torch.tensor([s.length for s in decodes], dtype=torch.int64),
-            prefills=pf_meta,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=dev),
+            decode_block_tables=tables.to(dev),
+            decode_context_lens=torch.tensor([s.length for s in decodes], dtype=torch.int64, device=dev),
+            prefills=[(a, b, c, t.to(dev)) for a, b, c, t in pf_meta],
         )
-        return torch.tensor(ids, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), meta
+        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
@@ -227,7 +236,7 @@ class RankEngine:
         last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
         t2 = time.perf_counter()
         if seqs:
-            logits = self.model.logits(h[torch.tensor(last, dtype=torch.int64)])
+            logits = self.model.logits(h[torch.tensor(last, dtype=torch.int64, device=self.device)]).cpu()
             toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, toks):
                 seq.num_cached = seq.length
@@ -267,17 +276,18 @@ class RankEngine:
     @torch.inference_mode()
     def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
         """Logits [L, V] (fp32) at every prompt position, through the paged cache (world_size 1 only)."""
-        bs = self.cfg.block_size
+        bs, dev = self.cfg.block_size, self.device
         n = len(prompt_ids)
         blocks = [self.cache.allocator.allocate() for _ in range(-(-n // bs))]
         try:
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor([blocks[i // bs] * bs + i % bs for i in range(n)], dtype=torch.int64),
-                decode_tokens=torch.zeros(0, dtype=torch.int64), decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-                decode_context_lens=torch.zeros(0, dtype=torch.int64),
-                prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64))])
-            h = self.model.forward(torch.tensor(prompt_ids), torch.arange(n), self.cache, meta)
-            return self.model.logits(h)
+                slot_mapping=torch.tensor([blocks[i // bs] * bs + i % bs for i in range(n)], dtype=torch.int64, device=dev),
+                decode_tokens=torch.zeros(0, dtype=torch.int64, device=dev),
+                decode_block_tables=torch.zeros(0, 0, dtype=torch.int64, device=dev),
+                decode_context_lens=torch.zeros(0, dtype=torch.int64, device=dev),
+                prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64, device=dev))])
+            h = self.model.forward(torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), self.cache, meta)
+            return self.model.logits(h).cpu()
         finally:
             self.cache.allocator.free_all(blocks)
 

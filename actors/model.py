@@ -52,7 +52,7 @@ class MoEModel:
             for l in range(cfg.num_layers)
         ]
         # per-layer routed-expert token counts of this rank's tokens, [L, E] int64 (routing statistics)
-        self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64)
+        self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64, device=self.device)
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
         # (layer, h [T, D]) residual stream entering a MoE layer's FFN: lookahead expert prefetch reads it
         self.on_hidden: Callable[[int, torch.Tensor], None] | None = None

@@ -132,7 +132,7 @@ class RankWorker:
 
     def _loop(self) -> None:
         agreed, idle = 0, True
-        flag = torch.zeros(3, dtype=torch.int64)
+        flag = torch.zeros(3, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
         try:
             while True:
                 with self._cond:

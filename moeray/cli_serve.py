@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-import time
+import threading
 
 from cluster.config import DEFAULT_MODEL
 
@@ -80,13 +81,20 @@ def cmd_serve(a) -> int:
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1"
           + (f", gRPC on {a.host}:{a.grpc_port}" if a.grpc_port else ""), file=sys.stderr, flush=True)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        _wait_for_signal()
     finally:
         serve.shutdown()
     return 0
+
+
+def _wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM. A signal handler plus an Event, because a KeyboardInterrupt does not
+    reach a main thread parked in grpc's `wait_for_termination`."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
 
 
 def _grpc_only(a, api_key: str | None) -> int:
@@ -106,9 +114,7 @@ def _grpc_only(a, api_key: str | None) -> int:
         return 2
     print(f"moeray: gRPC on {server.address}", file=sys.stderr, flush=True)
     try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
+        _wait_for_signal()
     finally:
         server.stop()
         llm.shutdown()

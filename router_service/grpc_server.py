@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import threading
 import uuid
 from concurrent import futures
@@ -278,10 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     router = Router(EPCluster(cfg), max_queue=a.max_queue)
     server = start_grpc_server(router, a.host, a.port, a.api_key)
     print(f"moeray gRPC on {server.address}", flush=True)
+    # a KeyboardInterrupt does not reach a main thread parked in wait_for_termination: wait on signals
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
+        while not stop.wait(1.0):
+            pass
     finally:
         server.stop()
         router.close()

@@ -30,6 +30,7 @@ import re
 import threading
 import time
 import uuid
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
@@ -353,13 +354,15 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
         completion = [0] * len(streams)
         if not req.stream:
             texts, reasons = [""] * len(streams), [None] * len(streams)
-            async for i, o in srv.outputs(streams):
-                if o.finish_reason == "error":
-                    m.requests.labels(path, "503").inc()
-                    return error_response(503, o.error or "a rank failed", None, "engine_unavailable", {"Retry-After": "1"})
-                texts[i] += o.text
-                completion[i] += len(o.token_ids)
-                reasons[i] = o.finish_reason or reasons[i]
+            async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
+                async for i, o in outs:
+                    if o.finish_reason == "error":
+                        m.requests.labels(path, "503").inc()
+                        return error_response(503, o.error or "a rank failed", None, "engine_unavailable",
+                                              {"Retry-After": "1"})
+                    texts[i] += o.text
+                    completion[i] += len(o.token_ids)
+                    reasons[i] = o.finish_reason or reasons[i]
             choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
                          "finish_reason": reasons[i]} if chat else
                         {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
@@ -377,23 +380,25 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                 for i in range(len(streams)):
                     yield event({**base, "object": chunk_obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-            async for i, o in srv.outputs(streams):
-                if o.finish_reason == "error":
-                    yield event({"error": {"message": o.error or "a rank failed", "type": "engine_unavailable",
-                                           "param": None, "code": 503}})
-                    break
-                completion[i] += len(o.token_ids)
-                if not o.text and o.finish_reason is None:
-                    continue  # text held back (partial character or possible stop string)
-                if chat:
-                    delta = {"content": o.text} if o.text else {}
-                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": o.finish_reason}
-                else:
-                    choice = {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-                yield event({**base, "object": chunk_obj, "choices": [choice]})
-            else:
-                if req.include_usage:
-                    yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion)})
+            failed = False
+            async with aclosing(srv.outputs(streams)) as outs:
+                async for i, o in outs:
+                    if o.finish_reason == "error":
+                        failed = True
+                        yield event({"error": {"message": o.error or "a rank failed", "type": "engine_unavailable",
+                                               "param": None, "code": 503}})
+                        break
+                    completion[i] += len(o.token_ids)
+                    if not o.text and o.finish_reason is None:
+                        continue  # text held back (partial character or possible stop string)
+                    if chat:
+                        delta = {"content": o.text} if o.text else {}
+                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": o.finish_reason}
+                    else:
+                        choice = {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                    yield event({**base, "object": chunk_obj, "choices": [choice]})
+            if not failed and req.include_usage:
+                yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion)})
             yield "data: [DONE]\n\n"
 
         m.requests.labels(path, "200").inc()
@@ -478,8 +483,15 @@ if serve is not None:
                 self.router.close()
 
 
-def build_app(args: ServeAppArgs):
-    """Serve application builder (`import_path: router_service.serve_app:build_app`)."""
+def build_app(args: ServeAppArgs | dict):
+    """Serve application builder (`import_path: router_service.serve_app:build_app`). `serve run` passes
+    the config's `args` as a plain dict (it cannot resolve the postponed annotation); validate it here.
+
+    Raises:
+        pydantic.ValidationError: an unknown or out-of-range argument (names it).
+    """
     if serve is None:
         raise RuntimeError("ray[serve] is not installed")
+    if not isinstance(args, ServeAppArgs):
+        args = ServeAppArgs.model_validate(args or {})
     return MoerayServer.bind(args.model_dump())

@@ -63,3 +63,19 @@ def test_stop_string_held_back_and_excluded(tiny_model_dir):
         if stopped:
             break
     assert stopped and "".join(deltas) == "alpha beta "
+
+
+def test_detokenizer_final_text_equals_decode_when_cut_mid_character(tiny_model_dir):
+    tok = _tok(tiny_model_dir)
+    ids = tok.encode("ab日本").ids
+    # cut inside the last character: the byte-level pieces of '本' span more than one token, or
+    # at least the last token carries an incomplete byte sequence once its final byte is dropped
+    cut = next((n for n in range(len(ids), 0, -1) if tok.decode(ids[:n]).endswith("\ufffd")), None)
+    if cut is None:
+        import pytest
+
+        pytest.skip("tokenizer keeps every character of this text in one token")
+    d = IncrementalDetokenizer(tok)
+    deltas = [d.add(i)[0] for i in ids[:cut]] + [d.flush()]
+    assert all("\ufffd" not in x for x in deltas[:-1])
+    assert "".join(deltas) == tok.decode(ids[:cut])

@@ -2,6 +2,7 @@
 deploy/serve_config.yaml and the ranks' placement group."""
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -15,14 +16,19 @@ SERVE_CONFIG = os.path.join(REPO, "deploy", "serve_config.yaml")
 
 def load(path: str) -> dict:
     with open(path) as f:
-        return yaml.safe_load(f)
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # the CRDs are ~1 MB each
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(path: str) -> dict:
+    return load(path)
 
 
 def crd_schema(name: str) -> dict:
     path = os.path.join(KUBERAY, name)
     if not os.path.isfile(path):
         pytest.skip(f"KubeRay CRD {path} is absent on this machine: schema validation skipped")
-    crd = load(path)
+    crd = _load_cached(path)
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
     return v1["schema"]["openAPIV3Schema"]
 

