@@ -49,6 +49,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kernels.codebook import lloyd_max
+
 SUPPORTED_BITS = (2, 3, 4)
 CODEBOOK_METHODS = ("kmeans", "uniform")
 _FP16_MAX = 65504.0
@@ -157,18 +159,7 @@ def fit_codebook(samples: torch.Tensor, bits: int, *, method: str = "kmeans", it
         return uniform
     if x.numel() > _MAX_FIT_SAMPLES:
         x = x[torch.linspace(0, x.numel() - 1, _MAX_FIT_SAMPLES).long()]
-    xs = x.sort().values
-    levels = xs[((torch.arange(n_levels) + 0.5) * (xs.numel() / n_levels)).long()]
-    # On sorted samples each level's cell is a contiguous run, so one Lloyd step is a searchsorted plus
-    # differences of a prefix sum: O(L log N) per iteration instead of O(N).
-    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), xs.double().cumsum(0)])
-    for _ in range(iters):
-        edges = torch.searchsorted(xs, (levels[1:] + levels[:-1]) * 0.5)
-        edges = torch.cat([torch.zeros(1, dtype=torch.long), edges, torch.full((1,), xs.numel())])
-        counts = (edges[1:] - edges[:-1]).double()
-        sums = prefix[edges[1:]] - prefix[edges[:-1]]
-        means = (sums / counts.clamp_min(1.0)).float()
-        levels = torch.where(counts > 0, means, levels).sort().values
+    levels = lloyd_max(x, n_levels, iters)
     # Identical levels (e.g. from a constant input) would make nearest_level ambiguous; break ties.
     if not bool((levels[1:] > levels[:-1]).all()):
         levels = levels + torch.arange(n_levels, dtype=torch.float32) * 1e-6

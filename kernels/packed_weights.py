@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
+from kernels.codebook import lloyd_max
 import torch.nn.functional as F
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -179,22 +181,7 @@ def fit_codebook(u: torch.Tensor, bits: int, *, iters: int = 30, max_samples: in
     v = u.detach().reshape(-1).float()
     if v.numel() > max_samples:
         v = v[:: math.ceil(v.numel() / max_samples)]
-    v, _ = torch.sort(v)
-    n_levels = 1 << bits
-    # Quantile initialisation puts levels where the mass is, so Lloyd starts near a good local optimum.
-    pos = ((torch.arange(n_levels, dtype=torch.float64) + 0.5) / n_levels * v.numel()).long()
-    levels = v[pos.clamp_(max=v.numel() - 1).to(v.device)].clone()
-    ones = torch.ones_like(v)
-    for _ in range(iters):
-        bounds = (levels[1:] + levels[:-1]) / 2
-        # At most 15 boundaries: a compare-and-count is cheaper than a threaded binary search here.
-        idx = (v[:, None] > bounds[None, :]).sum(1)
-        total = torch.zeros(n_levels, device=v.device).index_add_(0, idx, v)
-        count = torch.zeros(n_levels, device=v.device).index_add_(0, idx, ones)
-        # An empty cluster keeps its level rather than collapsing onto a neighbour.
-        levels = torch.where(count > 0, total / count.clamp(min=1), levels)
-        levels, _ = torch.sort(levels)
-    return levels
+    return lloyd_max(v, 1 << bits, iters)
 
 
 def _nearest_level(u: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
