@@ -15,18 +15,18 @@ def _add_generate(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
-    p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 2 on CPU, one per GPU)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ranks", type=int, default=None, help="EP ranks; unset: 2 on CPU, one per GPU on CUDA")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--seed", type=int, default=None, help="per-request RNG seed; unset: random")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="context window in tokens (default: min(1024, the model's max_position_embeddings))")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+                   help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank at most")
     p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4],
                    help="quantize the KV cache to this many bits per element (default: full precision)")
     p.add_argument("--kv-profile", default=None,
@@ -71,6 +71,13 @@ def cmd_generate(a) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - Ray could not start or the ranks could not be placed
+        print(f"moeray: error: could not bring up the cluster: {type(e).__name__}: {e}", file=sys.stderr)
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        return 1
     try:
         outs = llm.generate(a.prompts, params)
         if a.stats:
