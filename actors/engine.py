@@ -201,7 +201,7 @@ class RankEngine:
         for seq in decodes:
             i = seq.length - 1
             dec_tok.append(len(ids))
-            ids.append(seq.all_ids[-1])
+            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])  # no O(length) copy
             pos.append(i)
             slots.append(seq.block_table[i // bs] * bs + i % bs)
         M = max((len(s.block_table) for s in decodes), default=0)

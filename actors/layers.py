@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.paged_attention import rope_tables
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as transformers does)."""
@@ -22,12 +24,9 @@ class Rotary:
     """
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype, device=None):
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
-        t = torch.arange(max_pos, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, Dh]
-        self.cos = emb.cos().to(dtype)
-        self.sin = emb.sin().to(dtype)
+        cos, sin = rope_tables(max_pos, head_dim, base=theta, device=device)  # [P, Dh] fp32
+        self.cos = cos.to(dtype)
+        self.sin = sin.to(dtype)
         self.half = head_dim // 2
 
     def apply(self, x_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
