@@ -401,9 +401,9 @@ class ExpertRuntime:
                 prev_route(l, ids)
             self.on_route(l, ids)
 
-        def forward(input_ids_T, positions_T, cache, meta):
+        def forward(input_ids_T, positions_T, cache, meta, *args, **kw):
             self.begin_step(meta, input_ids_T.shape[0])
-            return inner(input_ids_T, positions_T, cache, meta)
+            return inner(input_ids_T, positions_T, cache, meta, *args, **kw)
 
         model.on_route = on_route
         model.on_hidden = self.on_hidden

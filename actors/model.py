@@ -22,9 +22,7 @@ from actors.experts import LocalExperts
 from actors.kv_cache import KVCache
 from actors.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.gating import topk_softmax_ref
-
-# gating policy: (router_logits [T, E], hidden [T, D], layer) -> (weights [T, K] fp32, ids [T, K] int64)
-GatingFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+from router_service.routing.gating import GatingBatch, GatingRouter
 
 
 class MoEModel:
@@ -33,17 +31,20 @@ class MoEModel:
     Args:
         cfg: model configuration. weights: dict from `actors.weights.load_rank_weights`.
         dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
-        gating: optional policy overriding the model's own (`exact`) top-k routing.
+        max_positions: RoPE table length (default: the config's max_position_embeddings).
+
+    Routing: `gating_router` (a `router_service.routing.gating.GatingRouter`, set by the engine) picks the
+    experts when `forward` gets a `GatingBatch`; otherwise the model's own top-k routing (`exact`) runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dispatcher: Dispatcher,
-                 gating: GatingFn | None = None, max_positions: int | None = None):
+                 max_positions: int | None = None):
         self.cfg = cfg
         self.w = weights
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device
         self.dispatcher = dispatcher
-        self.gating = gating or self.exact_gating
+        self.gating_router: GatingRouter | None = None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
                              self.dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
@@ -56,9 +57,6 @@ class MoEModel:
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
         # (layer, h [T, D]) residual stream entering a MoE layer's FFN: lookahead expert prefetch reads it
         self.on_hidden: Callable[[int, torch.Tensor], None] | None = None
-
-    def exact_gating(self, logits_TE: torch.Tensor, x_TD: torch.Tensor, layer: int):
-        return topk_softmax_ref(logits_TE, self.cfg.top_k, self.cfg.norm_topk_prob)
 
     # ------------------------------------------------------------------------------ blocks
     def attention(self, l: int, x_TD: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
@@ -81,26 +79,38 @@ class MoEModel:
         o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
         return F.linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
-    def moe(self, l: int, x_TD: torch.Tensor) -> torch.Tensor:
+    def moe(self, l: int, x_TD: torch.Tensor, gating: GatingBatch | None = None) -> torch.Tensor:
+        """Routed experts (+ shared expert) of MoE layer l. Ids of -1 (policies with fewer experts for
+        some tokens) carry weight 0 and are never dispatched."""
         w, p = self.w, f"layers.{l}."
         logits = F.linear(x_TD, w[p + "gate_w"])  # [T, E]
-        topk_w, topk_ids = self.gating(logits, x_TD, l)  # [T, K], [T, K]
+        shared_scale = None
+        if self.gating_router is not None and gating is not None:
+            r = self.gating_router.route(l, logits, x_TD, gating)
+            topk_w, topk_ids, shared_scale = r.weights, r.ids, r.shared_scale  # [T, K'], [T, K'], [T]
+        else:
+            topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         if topk_ids.numel():
-            self.expert_load[l] += torch.bincount(topk_ids.reshape(-1), minlength=self.cfg.num_experts)
+            used = topk_ids.reshape(-1)
+            self.expert_load[l] += torch.bincount(used[used >= 0], minlength=self.cfg.num_experts)
             if self.on_route is not None:
                 self.on_route(l, topk_ids)
         out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l])
         if self.cfg.has_shared_expert:
             shared = swiglu_mlp(x_TD, w[p + "shared_gate_up"], w[p + "shared_down"])
-            out = out + torch.sigmoid(F.linear(x_TD, w[p + "shared_gate_w"])) * shared
+            g = torch.sigmoid(F.linear(x_TD, w[p + "shared_gate_w"]))
+            if shared_scale is not None:
+                g = g * shared_scale[:, None].to(g.dtype)
+            out = out + g * shared
         return out
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, gating: GatingBatch | None = None) -> torch.Tensor:
         """Run every layer on the step's flattened tokens; returns final-normed hidden [T, D].
 
-        T may be 0 (a rank with no work still joins every layer's all-to-all).
+        T may be 0 (a rank with no work still joins every layer's all-to-all). `gating` tells the gating
+        router which sequence each token belongs to (None: exact routing, no per-sequence state).
         """
         cfg, w = self.cfg, self.w
         h = F.embedding(input_ids_T, w["embed"])
@@ -110,7 +120,7 @@ class MoEModel:
             if self.on_hidden is not None and cfg.moe_layers[l]:
                 self.on_hidden(l, h)
             x = rms_norm(h, w[p + "post_norm"], cfg.rms_norm_eps)
-            h = h + (self.moe(l, x) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
+            h = h + (self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
         return rms_norm(h, w["norm"], cfg.rms_norm_eps)
 
     def logits(self, h_ND: torch.Tensor) -> torch.Tensor:

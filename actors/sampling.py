@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from router_service.routing.gating import POLICIES
+
 MAX_STOP_STRINGS = 16
 
 
@@ -19,6 +21,7 @@ class SamplingParams:
     top_p: in (0, 1]. max_tokens: >= 1 output tokens. seed: per-request RNG seed (None: random).
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
     it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
+    gating: this request's gating policy (`router_service.routing.gating.POLICIES`), None = the deployment's.
 
     Raises:
         ValueError: naming the field, its value and the allowed range.
@@ -32,8 +35,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    gating: str | None = None
 
     def __post_init__(self) -> None:
+        if self.gating is not None and self.gating not in POLICIES:
+            raise ValueError(f"gating={self.gating!r} must be one of {', '.join(POLICIES)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not (self.temperature == self.temperature) or not 0.0 <= self.temperature <= 100.0:

@@ -1,5 +1,11 @@
 """Top-k gating: router logits -> (expert weights, expert ids), robust to non-finite logits.
 
+`select_experts_ref` is the PyTorch reference of the fused selection kernel
+(`kernels.gating_triton.select_experts_triton`, same contract): scores = softmax(logits), selection by
+scores + a per-expert bias (auxiliary-loss-free balancing, DeepSeek-V3 arXiv 2412.19437 and Loss-Free
+Balancing arXiv 2408.15664; no bias = the model's exact routing), weights from the unbiased scores,
+optionally renormalised over the K chosen.
+
 Shape legend: T = tokens, E = routed experts, K = experts per token (top-k).
 """
 from __future__ import annotations
@@ -40,11 +46,45 @@ def topk_softmax_ref(logits_TE: torch.Tensor, k: int, renormalize: bool) -> tupl
     Raises:
         ValueError: if k is outside [1, E].
     """
-    T, E = logits_TE.shape
+    return select_experts_ref(logits_TE, k, renormalize)
+
+
+def check_selection_args(logits_TE: torch.Tensor, k: int, bias_E: torch.Tensor | None) -> None:
+    """Shared argument checks of the selection kernels (raise ValueError naming the field and limit)."""
+    if logits_TE.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got shape {tuple(logits_TE.shape)}")
+    E = logits_TE.shape[1]
     if not 1 <= k <= E:
         raise ValueError(f"top_k={k} must be in [1, num_experts={E}]")
+    if bias_E is not None and tuple(bias_E.shape) != (E,):
+        raise ValueError(f"bias must have shape [{E}] (num_experts), got {tuple(bias_E.shape)}")
+
+
+def select_experts_ref(logits_TE: torch.Tensor, k: int, renormalize: bool,
+                       bias_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused selection, PyTorch reference: scores, bias, top-k, weights in one call.
+
+    scores = softmax(sanitize(logits)); ids = top-k of (scores + bias); weights = scores[ids], divided
+    by their sum when `renormalize`. The bias steers selection only and never enters the weights, as in
+    DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, section 2.1.2).
+
+    Args:
+        logits_TE: [T, E] router logits, any float dtype (computed in fp32); T may be 0.
+        k: experts per token, 1 <= k <= E.
+        renormalize: the config's `norm_topk_prob` (Mixtral's top-k-then-softmax is the renormalised case).
+        bias_E: optional [E] fp32 per-expert selection bias (finite).
+    Returns:
+        (weights [T, K] float32, ids [T, K] int64): ids unique per row and in [0, E), weights finite.
+    Raises:
+        ValueError: bad shapes or k outside [1, E].
+    """
+    check_selection_args(logits_TE, k, bias_E)
     probs = torch.softmax(sanitize_router_logits(logits_TE), dim=-1)
-    w, ids = torch.topk(probs, k, dim=-1)
+    if bias_E is None:
+        w, ids = torch.topk(probs, k, dim=-1)
+    else:
+        ids = torch.topk(probs + bias_E.to(probs.device, torch.float32), k, dim=-1).indices
+        w = probs.gather(1, ids)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     return w, ids

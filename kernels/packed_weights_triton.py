@@ -33,6 +33,7 @@ from kernels.packed_weights import (
     expert_offsets_from,
     words_per_row,
 )
+from kernels.triton_launch import launch_guard
 
 __all__ = ["unpack_codes", "dequantize", "gemv", "grouped_gemm", "packed_expert_ffn"]
 
@@ -184,8 +185,9 @@ def unpack_codes(words: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     if out.numel() == 0:
         return out
     bn, bk = _blocks(words.device, (32, 128), (32, 64))
-    _unpack_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
-        words.contiguous(), out, r, k, words.shape[-1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk)
+    with launch_guard():
+        _unpack_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+            words.contiguous(), out, r, k, words.shape[-1], BITS=bits, BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 
@@ -205,10 +207,11 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32) -> torch.Te
     r = pw.codes.numel() // pw.codes.shape[-1]
     out = torch.empty(*pw.shape, dtype=dtype, device=pw.device)
     bn, bk = _blocks(pw.device, (32, 128), (32, 64))
-    _dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
-        pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
-        r, n, k, pw.codes.shape[-1], pw.num_groups,
-        BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, BLOCK_N=bn, BLOCK_K=bk)
+    with launch_guard():
+        _dequant_kernel[(triton.cdiv(r, bn), triton.cdiv(k, bk))](
+            pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
+            r, n, k, pw.codes.shape[-1], pw.num_groups,
+            BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 
@@ -231,10 +234,11 @@ def gemv(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
     n, k = pw.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     bn, bk = _blocks(x.device, (16, 128), (32, 64))
-    _gemv_kernel[(triton.cdiv(n, bn),)](
-        x.contiguous(), pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
-        n, k, pw.codes.shape[-1], pw.num_groups,
-        BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, BLOCK_N=bn, BLOCK_K=bk)
+    with launch_guard():
+        _gemv_kernel[(triton.cdiv(n, bn),)](
+            x.contiguous(), pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
+            n, k, pw.codes.shape[-1], pw.num_groups,
+            BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 
@@ -285,12 +289,13 @@ def grouped_gemm(x: torch.Tensor, expert_offsets: torch.Tensor, pw: PackedWeight
         return out
     bt, bn, bk = _blocks(x.device, (16, 64, 64), (16, 32, 32))
     tile_expert, tile_start, tile_end = _tile_map(offsets, t, bt)
-    _grouped_gemm_kernel[(tile_expert.shape[0], triton.cdiv(n, bn))](
-        x.contiguous(), tile_expert, tile_start, tile_end,
-        pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
-        n, k, pw.codes.shape[-1], pw.num_groups,
-        BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, X_FP32=x.dtype == torch.float32,
-        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk)
+    with launch_guard():
+        _grouped_gemm_kernel[(tile_expert.shape[0], triton.cdiv(n, bn))](
+            x.contiguous(), tile_expert, tile_start, tile_end,
+            pw.codes.contiguous(), pw.scales.contiguous(), pw.zeros.contiguous(), _cb_arg(pw), out,
+            n, k, pw.codes.shape[-1], pw.num_groups,
+            BITS=pw.bits, GROUP=pw.group_size, HAS_CB=pw.codebook is not None, X_FP32=x.dtype == torch.float32,
+            BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk)
     return out
 
 

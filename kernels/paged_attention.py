@@ -29,7 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+
 from kernels.kv_quant import KVPages, KVQuantProfile, dequantize_keys, dequantize_values
+from kernels.triton_launch import launch_guard
 
 
 def rope_tables(max_pos: int, head_dim: int, *, base: float = 10000.0,
@@ -358,23 +360,24 @@ def paged_decode_attention_triton(
     if has_sink and sink_lens is None:
         sink_lens = torch.full((b,), sink_k.shape[1], dtype=i32, device=dev)
     s = pages.block_size
-    _paged_decode_kernel[(b, h)](
-        q.contiguous(), out,
-        pages.k_codes.contiguous(), pages.v_codes.contiguous(), pages.v_scale.contiguous(),
-        pages.k_outliers.contiguous(), pages.v_outliers.contiguous(),
-        profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
-        profile.outlier_slots("k"), profile.outlier_slots("v"),
-        block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
-        cos.float().contiguous(), sin.float().contiguous(),
-        sink_k.contiguous() if has_sink else dummy_f, sink_v.contiguous() if has_sink else dummy_f,
-        sink_lens.to(i32).contiguous() if has_sink else dummy_i,
-        tail_k.contiguous() if has_tail else dummy_f, tail_v.contiguous() if has_tail else dummy_f,
-        tail_lens.to(i32).contiguous() if has_tail else dummy_i,
-        float(scale), block_tables.shape[1],
-        sink_k.shape[1] if has_sink else 0, tail_k.shape[1] if has_tail else 0,
-        H=h, GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=d, HALF=d // 2,
-        BITS=profile.bits, P=profile.packed_bytes, S=s, BLOCK_S=triton.next_power_of_2(s),
-        N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
-        HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16,
-    )
+    with launch_guard():
+        _paged_decode_kernel[(b, h)](
+            q.contiguous(), out,
+            pages.k_codes.contiguous(), pages.v_codes.contiguous(), pages.v_scale.contiguous(),
+            pages.k_outliers.contiguous(), pages.v_outliers.contiguous(),
+            profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
+            profile.outlier_slots("k"), profile.outlier_slots("v"),
+            block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
+            cos.float().contiguous(), sin.float().contiguous(),
+            sink_k.contiguous() if has_sink else dummy_f, sink_v.contiguous() if has_sink else dummy_f,
+            sink_lens.to(i32).contiguous() if has_sink else dummy_i,
+            tail_k.contiguous() if has_tail else dummy_f, tail_v.contiguous() if has_tail else dummy_f,
+            tail_lens.to(i32).contiguous() if has_tail else dummy_i,
+            float(scale), block_tables.shape[1],
+            sink_k.shape[1] if has_sink else 0, tail_k.shape[1] if has_tail else 0,
+            H=h, GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=d, HALF=d // 2,
+            BITS=profile.bits, P=profile.packed_bytes, S=s, BLOCK_S=triton.next_power_of_2(s),
+            N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
+            HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16,
+        )
     return out

@@ -43,7 +43,26 @@ def _add_generate(sub) -> None:
                    help="expert prefetch predictor (auto: the measured best when the cache is smaller than E)")
     p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"],
                    help="packed-expert kernels (triton on CPU needs TRITON_INTERPRET=1, set automatically)")
+    p.add_argument("--gating", default="exact",
+                   choices=["exact", "balanced", "capacity", "dynamic", "velocity", "sticky"],
+                   help="gating policy of the deployment (see router_service/routing/gating.py)")
+    p.add_argument("--gating-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="gating knob, e.g. sticky_margin=0.1 or top_p=0.6 (repeatable)")
     p.set_defaults(func=cmd_generate)
+
+
+def parse_gating_options(items: list[str]) -> dict:
+    """["sticky_margin=0.1", "k_max=4"] -> {"sticky_margin": 0.1, "k_max": 4}. Raises ValueError on a bad item."""
+    out: dict = {}
+    for it in items:
+        key, sep, val = it.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--gating-option {it!r} must look like KEY=VALUE")
+        try:
+            out[key] = int(val) if val.lstrip("-").isdigit() else float(val)
+        except ValueError:
+            raise ValueError(f"--gating-option {key}={val!r}: the value must be a number") from None
+    return out
 
 
 def cmd_generate(a) -> int:
@@ -59,7 +78,13 @@ def cmd_generate(a) -> int:
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
     kw["engine_options"] = {k: v for k, v in (("kv_bits", a.kv_bits), ("kv_profile", a.kv_profile)) if v is not None}
     experts_kw = {"weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
-                  "kernel_backend": a.kernel_backend}
+                  "kernel_backend": a.kernel_backend, "gating": a.gating}
+    try:
+        if a.gating_option:
+            experts_kw["gating_options"] = parse_gating_options(a.gating_option)
+    except ValueError as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
     kw["engine_options"] = {**kw.get("engine_options", {}), **{k: v for k, v in experts_kw.items() if v is not None}}
     if a.kernel_backend == "triton":
         import torch

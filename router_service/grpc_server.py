@@ -64,7 +64,7 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         InvalidRequestError: naming the field, its value and the allowed range.
     """
     kw: dict = {}
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed"):
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     kw["stop"] = list(sp.stop)

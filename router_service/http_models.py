@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.sampling import MAX_STOP_STRINGS, SamplingParams
+from router_service.routing.gating import POLICIES
 
 MAX_N = 8  # completions per prompt at most (`n`)
 MAX_PROMPTS = 16  # prompts in one /v1/completions call at most
@@ -27,7 +28,8 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI names; vLLM-style extensions
-    `top_k`, `ignore_eos`, `stop_token_ids`). Unknown fields are ignored, as OpenAI clients send many."""
+    `top_k`, `ignore_eos`, `stop_token_ids`; moeray's `gating`: this request's gating policy). Unknown fields
+    are ignored, as OpenAI clients send many."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -43,6 +45,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     ignore_eos: bool = False
+    gating: str | None = Field(None, description=f"gating policy ({', '.join(POLICIES)}); null = the deployment's")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logprobs: bool | int | None = Field(None, description="not supported: only null / false / 0")
@@ -54,6 +57,13 @@ class SamplingFields(BaseModel):
         if v:
             raise ValueError(f"logprobs={v!r} is not supported (only null, false or 0)")
         return None
+
+    @field_validator("gating")
+    @classmethod
+    def _gating(cls, v):
+        if v is not None and v not in POLICIES:
+            raise ValueError(f"gating={v!r} must be one of {', '.join(POLICIES)}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -76,7 +86,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
                               seed=None if self.seed is None else (self.seed + index) % MAX_SEED,
                               stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, gating=self.gating)
 
 
 class CompletionRequest(SamplingFields):

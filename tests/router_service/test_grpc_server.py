@@ -112,6 +112,7 @@ def test_stop_string_held_back(stub):
     (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p", "(0, 1]"),
     (dict(sampling=pb.SamplingParams(temperature=-0.5)), "temperature", "[0, 100]"),
     (dict(sampling=pb.SamplingParams(stop=[""])), "stop", "non-empty"),
+    (dict(sampling=pb.SamplingParams(gating="fastest")), "gating", "must be one of exact"),
     (dict(model="no-such-model"), "model", "not served"),
     (dict(text=""), "prompt", "empty"),
     (dict(token_ids=pb.TokenIds(ids=[10**6])), "prompt", "out of range"),

@@ -83,6 +83,17 @@ def test_completion_matches_router(client, llm, model_id):
                           "total_tokens": ref.prompt_tokens + 10}
 
 
+def test_per_request_gating_policy(client, llm):
+    from actors.sampling import SamplingParams
+
+    r = complete(client, max_tokens=6, gating="sticky")
+    assert r.status_code == 200, r.text
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, gating="sticky"))[0]
+    assert r.json()["choices"][0]["text"] == ref.text
+    routing = llm.router.stats()["ranks"][0]["routing"]
+    assert routing["policy"] == "exact" and routing["policy_tokens"]["sticky"] > 0
+
+
 def test_completion_stream_with_usage(client, llm):
     full = complete(client, max_tokens=10).json()["choices"][0]["text"]
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
@@ -203,6 +214,7 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     ({"seed": -1}, "seed", "greater than or equal to 0"),
     ({"logprobs": 5}, "logprobs", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0"),
+    ({"gating": "fastest"}, "gating", "must be one of exact"),
 ])
 def test_completion_validation_400(client, body, field, limit):
     r = complete(client, **body)

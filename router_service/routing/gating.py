@@ -1,0 +1,442 @@
+"""Gating policies: which routed experts each token uses, and with what weights, per MoE layer.
+
+The model calls `GatingRouter.route(layer, logits, hidden, batch)` once per MoE layer of every step.
+A policy is chosen per deployment (`GatingConfig.policy`) and may be overridden per request
+(`SamplingParams.gating`); tokens of one step that use different policies are routed group by group.
+
+Policies (every one returns, for any input including rows of NaN/inf logits, unique in-range expert ids
+and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than the widest row):
+
+- `exact`: the model's own routing: softmax, top-k, renormalised iff the config's `norm_topk_prob`.
+  The default, and the reference the others are measured against.
+- `balanced`: auxiliary-loss-free bias balancing (DeepSeek-V3, arXiv 2412.19437; Loss-Free Balancing,
+  arXiv 2408.15664). A per-layer, per-expert bias b is added to the scores for selection only; after
+  every `balance_every` routed tokens (or every call, if fewer), b_i += u * sign(mean load - load_i) over
+  that chunk's loads. Weights stay the unbiased scores. Selection runs in the fused kernel.
+- `capacity`: each expert takes at most C = ceil(capacity_factor * T * K / E) tokens per call. In round
+  j = 0..E-1 every token still short of K experts proposes its j-th best expert; an expert accepts the
+  highest-scoring proposals up to its remaining room. C * E >= T * K, so every token ends with K experts:
+  none is dropped.
+- `dynamic`: a variable number of experts per token (granular top-p): experts in score order until their
+  cumulative probability reaches `top_p`, at least `k_min` and at most `k_max`.
+- `velocity`: per sequence and layer, the token velocity v_t = beta * v_(t-1) + (1 - beta) *
+  (1 - cos(x_t, x_(t-1))), x the MoE layer's input (v starts at the first difference). Rule:
+  v_t >= `velocity_fast` (the context is shifting): the token uses its `velocity_k` best routed experts
+  only, their weights rescaled to the top-k weight mass (a few specialised experts, same routed mass);
+  v_t <= `velocity_slow` (a slow, long-horizon stretch): `velocity_k` routed experts with their own
+  weights, and the shared expert's output scaled by 1 + `velocity_shared_boost` (leans on the shared
+  expert); otherwise exact top-k. Models without a shared expert skip the boost.
+- `sticky` (anti-thrash): for each expert p the sequence's previous token used at this layer but the exact
+  top-k dropped, if score(p) >= score(j) - `sticky_margin` for the lowest-scoring newly chosen expert j
+  that the previous token did not use, p replaces j. Weights are the scores of the final set (renormalised
+  iff `norm_topk_prob`). The previous token's set is the final (sticky) one, so stickiness carries.
+
+Per-sequence state (previous expert set, previous layer input, velocity) lives in `RoutingState` slots
+indexed by the engine's sequence slot; a token at position 0 starts fresh. The same state gives the
+router-thrash metric (`stats.jaccard_distance` between consecutive tokens' expert sets) for every policy.
+
+Shape legend: T = tokens in the call, E = routed experts, K = experts per token (config top-k),
+K' = widest row of a call (>= 1), D = hidden, S = sequence slots, L = layers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.gating import sanitize_router_logits, select_experts_ref
+from router_service.routing.stats import jaccard_distance
+
+POLICIES = ("exact", "balanced", "capacity", "dynamic", "velocity", "sticky")
+
+
+@dataclass(kw_only=True)
+class GatingConfig:
+    """Deployment-wide gating settings (every policy's knobs; only the chosen ones matter).
+
+    Raises:
+        ValueError: unknown policy or an out-of-range knob (the message names the field and its limit).
+    """
+
+    policy: str = "exact"
+    backend: str = "torch"  # fused selection kernel: "torch" (reference) | "triton"
+    balance_rate: float = 2e-3  # u, in score (probability) units per update
+    balance_every: int = 64  # routed tokens per bias update inside a call
+    capacity_factor: float = 1.25
+    top_p: float = 0.6
+    k_min: int = 1
+    k_max: int | None = None  # None: 2 * top_k, capped at E
+    velocity_beta: float = 0.5
+    velocity_fast: float = 0.95  # about the top 5-10% of velocities on the shipped model
+    velocity_slow: float = 0.3  # about the bottom 5-10%
+    velocity_k: int = 1
+    velocity_shared_boost: float = 0.5
+    sticky_margin: float = 0.15  # the largest margin within +1% perplexity on the shipped model
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"gating policy={self.policy!r} must be one of {', '.join(POLICIES)}")
+        if self.backend not in ("torch", "triton"):
+            raise ValueError(f"gating backend={self.backend!r} must be torch or triton")
+        checks = {"balance_rate": self.balance_rate >= 0, "balance_every": self.balance_every >= 1,
+                  "capacity_factor": self.capacity_factor >= 1.0, "top_p": 0 < self.top_p <= 1,
+                  "k_min": self.k_min >= 1, "velocity_beta": 0 <= self.velocity_beta < 1,
+                  "velocity_k": self.velocity_k >= 1, "velocity_shared_boost": self.velocity_shared_boost >= 0,
+                  "sticky_margin": self.sticky_margin >= 0,
+                  "velocity_slow": 0 <= self.velocity_slow <= self.velocity_fast}
+        limits = {"balance_rate": ">= 0", "balance_every": ">= 1", "capacity_factor": ">= 1.0",
+                  "top_p": "in (0, 1]", "k_min": ">= 1", "velocity_beta": "in [0, 1)", "velocity_k": ">= 1",
+                  "velocity_shared_boost": ">= 0", "sticky_margin": ">= 0",
+                  "velocity_slow": "in [0, velocity_fast]"}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"gating {name}={getattr(self, name)} must be {limits[name]}")
+        if self.k_max is not None and self.k_max < self.k_min:
+            raise ValueError(f"gating k_max={self.k_max} must be >= k_min={self.k_min}")
+
+    @classmethod
+    def from_options(cls, policy: str = "exact", options: dict | None = None, backend: str = "torch") -> "GatingConfig":
+        """Build from a policy name and a dict of knobs (unknown keys raise ValueError naming them)."""
+        options = dict(options or {})
+        unknown = sorted(set(options) - {f for f in cls.__dataclass_fields__} - {"policy", "backend"})
+        if unknown:
+            raise ValueError(f"unknown gating option(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        options.setdefault("policy", policy)
+        options.setdefault("backend", backend)
+        return cls(**options)
+
+
+@dataclass(kw_only=True, slots=True)
+class Routing:
+    """One call's decision. weights [T, K'] fp32 (0 on padding), ids [T, K'] int64 (-1 = padding),
+    shared_scale [T] fp32 multiplier of the shared expert's output, or None (1 everywhere)."""
+
+    weights: torch.Tensor
+    ids: torch.Tensor
+    shared_scale: torch.Tensor | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class GatingBatch:
+    """Where the step's tokens come from (built by the engine once per step).
+
+    slots_T: [T] int64 sequence state slot of each token. positions_T: [T] int64 position in its sequence.
+    Tokens of one sequence are contiguous and in position order. policy_T: [T] int64 index into
+    `POLICIES` per token, or None when every token uses the deployment policy.
+    """
+
+    slots_T: torch.Tensor
+    positions_T: torch.Tensor
+    policy_T: torch.Tensor | None = None
+    # derived: for each token, the row of the previous token of its sequence in this step (-1 if none)
+    prev_row_T: torch.Tensor = field(init=False)
+    # derived: rows that are the last of their sequence in this step (their state is stored)
+    last_rows: torch.Tensor = field(init=False)
+    # derived: waves[j] = rows that are the j-th token of their sequence in this step (recurrences)
+    waves: list[torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        T = self.slots_T.numel()
+        dev = self.slots_T.device
+        rows = torch.arange(T, device=dev)
+        same = torch.zeros(T, dtype=torch.bool, device=dev)
+        if T > 1:
+            same[1:] = (self.slots_T[1:] == self.slots_T[:-1]) & (self.positions_T[1:] == self.positions_T[:-1] + 1)
+        self.prev_row_T = torch.where(same, rows - 1, torch.full_like(rows, -1))
+        is_last = torch.ones(T, dtype=torch.bool, device=dev)
+        if T > 1:
+            is_last[:-1] = ~same[1:]
+        self.last_rows = rows[is_last]
+        self.waves = []  # computed lazily by `wave_list`
+
+    def wave_list(self) -> list[torch.Tensor]:
+        """Rows grouped by their offset inside their sequence's chunk: wave j depends on wave j-1 only."""
+        if not self.waves and self.slots_T.numel():
+            T = self.slots_T.numel()
+            start = torch.where(self.prev_row_T < 0, torch.arange(T, device=self.slots_T.device), 0)
+            start = torch.cummax(start, 0).values
+            offset = torch.arange(T, device=self.slots_T.device) - start
+            order = torch.argsort(offset, stable=True)
+            counts = torch.bincount(offset).tolist()
+            self.waves = list(torch.split(order, counts))
+        return self.waves
+
+    @classmethod
+    def single(cls, positions_T: torch.Tensor) -> "GatingBatch":
+        """All tokens from one sequence in slot 0 (prompt scoring, benchmarks)."""
+        return cls(slots_T=torch.zeros_like(positions_T), positions_T=positions_T)
+
+
+class RoutingState:
+    """Per-sequence routing memory, one slot per live sequence, plus thrash counters per layer.
+
+    prev_ids [S, L, Kmax] int64 (-1 = none): the last routed token's final expert set.
+    prev_x [S, L, D]: that token's MoE layer input (velocity). velocity [S, L] fp32 (nan = unset).
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int, k_max: int, hidden: int,
+                 device: torch.device | str = "cpu"):
+        self.num_experts = num_experts
+        self.k_max = k_max
+        self.prev_ids = torch.full((num_slots, num_layers, k_max), -1, dtype=torch.int64, device=device)
+        self.prev_x = torch.zeros(num_slots, num_layers, hidden, dtype=torch.float32, device=device)
+        self.velocity = torch.full((num_slots, num_layers), float("nan"), device=device)
+        self.thrash_sum = [0.0] * num_layers
+        self.thrash_n = [0] * num_layers
+
+    def previous_ids(self, layer: int, batch: GatingBatch, cur_ids: torch.Tensor) -> torch.Tensor:
+        """[T, Kmax] expert set of each token's predecessor (-1 rows where the token starts a sequence)."""
+        T = batch.slots_T.numel()
+        prev = self.prev_ids[batch.slots_T, layer]
+        prev = torch.where((batch.positions_T == 0)[:, None], torch.full_like(prev, -1), prev)
+        inside = batch.prev_row_T >= 0
+        if bool(inside.any()):
+            padded = _pad(cur_ids, self.k_max)
+            prev[inside] = padded[batch.prev_row_T[inside]]
+        return prev[:T]
+
+    def record(self, layer: int, batch: GatingBatch, ids: torch.Tensor, x_TD: torch.Tensor) -> None:
+        """Thrash accounting for this call's tokens, then store each sequence's last token's set and input."""
+        if ids.numel() == 0:
+            return
+        prev = self.previous_ids(layer, batch, ids)
+        has = (prev >= 0).any(dim=1)
+        if bool(has.any()):
+            d = jaccard_distance(prev[has], ids[has], self.num_experts)
+            self.thrash_sum[layer] += float(d.sum())
+            self.thrash_n[layer] += int(d.numel())
+        last = batch.last_rows
+        slots = batch.slots_T[last]
+        self.prev_ids[slots, layer] = _pad(ids[last], self.k_max)
+        self.prev_x[slots, layer] = x_TD[last].float()
+
+    def thrash(self) -> list[float]:
+        """Per-layer router thrash rate (mean Jaccard distance of consecutive tokens' sets; nan: no pairs)."""
+        return [s / n if n else float("nan") for s, n in zip(self.thrash_sum, self.thrash_n)]
+
+
+def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
+    if ids.shape[1] >= width:
+        return ids[:, :width]
+    return torch.cat([ids, ids.new_full((ids.shape[0], width - ids.shape[1]), -1)], dim=1)
+
+
+def _renorm(w: torch.Tensor, on: bool) -> torch.Tensor:
+    return w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) if on else w
+
+
+class GatingRouter:
+    """The per-rank gating entry point: policies, their state, and the thrash metric.
+
+    Args:
+        cfg: deployment gating settings. num_layers, num_experts, top_k, renormalize: from the model config
+            (`norm_topk_prob`). hidden: model width. num_slots: sequence slots (max concurrent sequences
+            + 1; slot S-1 is scratch for prompt scoring). has_shared_expert: whether `velocity` may boost it.
+    Raises:
+        ValueError: knobs incompatible with the model (k_min > E, velocity_k > top_k).
+    """
+
+    def __init__(self, cfg: GatingConfig, *, num_layers: int, num_experts: int, top_k: int, renormalize: bool,
+                 hidden: int, num_slots: int, has_shared_expert: bool, device: torch.device | str = "cpu"):
+        self.cfg = cfg
+        self.E, self.K, self.renorm = num_experts, top_k, renormalize
+        self.k_max = min(cfg.k_max or 2 * top_k, num_experts)
+        if cfg.k_min > num_experts:
+            raise ValueError(f"gating k_min={cfg.k_min} must be <= num_experts={num_experts}")
+        if cfg.velocity_k > top_k:
+            raise ValueError(f"gating velocity_k={cfg.velocity_k} must be <= the model's top_k={top_k}")
+        self.has_shared = has_shared_expert
+        self.device = torch.device(device)
+        self.state = RoutingState(num_slots, num_layers, num_experts, max(self.k_max, top_k), hidden, self.device)
+        self.bias = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=self.device)
+        self.policy_tokens = dict.fromkeys(POLICIES, 0)
+        self.experts_used = 0  # routed (token, expert) pairs chosen, all policies
+        if cfg.backend == "triton":
+            from kernels.gating_triton import select_experts_triton
+            self._select = select_experts_triton
+        else:
+            self._select = select_experts_ref
+
+    # ------------------------------------------------------------------ entry point
+    def route(self, layer: int, logits_TE: torch.Tensor, x_TD: torch.Tensor, batch: GatingBatch) -> Routing:
+        """Route one MoE layer call; records per-sequence state and thrash. T may be 0."""
+        T = logits_TE.shape[0]
+        default = POLICIES.index(self.cfg.policy)
+        if batch.policy_T is None or T == 0 or bool((batch.policy_T == default).all()):
+            out = self._run(self.cfg.policy, layer, logits_TE, x_TD, batch, None)
+        else:
+            parts = []
+            for p in batch.policy_T.unique().tolist():
+                rows = (batch.policy_T == p).nonzero().squeeze(1)
+                parts.append((rows, self._run(POLICIES[p], layer, logits_TE, x_TD, batch, rows)))
+            width = max(r.ids.shape[1] for _, r in parts)
+            w = torch.zeros(T, width, dtype=torch.float32, device=logits_TE.device)
+            ids = torch.full((T, width), -1, dtype=torch.int64, device=logits_TE.device)
+            shared = None
+            for rows, r in parts:
+                w[rows, : r.weights.shape[1]] = r.weights
+                ids[rows, : r.ids.shape[1]] = r.ids
+                if r.shared_scale is not None:
+                    shared = torch.ones(T, device=logits_TE.device) if shared is None else shared
+                    shared[rows] = r.shared_scale
+            out = Routing(weights=w, ids=ids, shared_scale=shared)
+        self.state.record(layer, batch, out.ids, x_TD)
+        self.experts_used += int((out.ids >= 0).sum())
+        return out
+
+    def _run(self, policy: str, layer: int, logits: torch.Tensor, x: torch.Tensor, batch: GatingBatch,
+             rows: torch.Tensor | None) -> Routing:
+        if rows is not None:
+            # a sub-group: a request's policy is fixed, so a token's predecessor is in the same group
+            logits, x = logits[rows], x[rows]
+            batch = GatingBatch(slots_T=batch.slots_T[rows], positions_T=batch.positions_T[rows])
+        self.policy_tokens[policy] += logits.shape[0]
+        if policy == "exact":
+            w, ids = self._select(logits, self.K, self.renorm)
+            return Routing(weights=w, ids=ids)
+        if policy == "balanced":
+            return self._balanced(layer, logits)
+        if policy == "capacity":
+            return self._capacity(logits)
+        if policy == "dynamic":
+            return self._dynamic(logits)
+        if policy == "velocity":
+            return self._velocity(layer, logits, x, batch)
+        return self._sticky(layer, logits, batch)
+
+    # ------------------------------------------------------------------ policies
+    def _balanced(self, layer: int, logits: torch.Tensor) -> Routing:
+        T, n = logits.shape[0], self.cfg.balance_every
+        ws, idss = [], []
+        for a in range(0, T, n):
+            w, ids = self._select(logits[a : a + n], self.K, self.renorm, self.bias[layer])
+            load = torch.bincount(ids.reshape(-1), minlength=self.E).float()
+            self.bias[layer] += self.cfg.balance_rate * torch.sign(load.mean() - load)
+            ws.append(w)
+            idss.append(ids)
+        if not ws:
+            w, ids = self._select(logits, self.K, self.renorm, self.bias[layer])
+            return Routing(weights=w, ids=ids)
+        return Routing(weights=torch.cat(ws), ids=torch.cat(idss))
+
+    def _capacity(self, logits: torch.Tensor) -> Routing:
+        T, E, K = logits.shape[0], self.E, self.K
+        probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
+        if T == 0:
+            return Routing(weights=probs.new_zeros(0, K), ids=torch.zeros(0, K, dtype=torch.int64, device=probs.device))
+        cap = max(1, math.ceil(self.cfg.capacity_factor * T * K / E))
+        ranked = torch.argsort(probs, dim=-1, descending=True, stable=True)  # [T, E]
+        room = torch.full((E,), cap, dtype=torch.int64, device=probs.device)
+        got = torch.zeros(T, dtype=torch.int64, device=probs.device)
+        ids = torch.full((T, K), -1, dtype=torch.int64, device=probs.device)
+        for j in range(E):
+            need = (got < K).nonzero().squeeze(1)
+            if need.numel() == 0:
+                break
+            cand = ranked[need, j]
+            score = probs[need, cand]
+            # per expert, accept the best-scoring proposals up to its room: sort by (expert, -score)
+            order = torch.argsort(cand * 4.0 - score, stable=True)  # scores in [0, 1], so the expert dominates
+            cand_o, need_o = cand[order], need[order]
+            first = torch.searchsorted(cand_o, cand_o, right=False)
+            rank_in_e = torch.arange(cand_o.numel(), device=probs.device) - first
+            ok = rank_in_e < room[cand_o]
+            acc_t, acc_e = need_o[ok], cand_o[ok]
+            ids[acc_t, got[acc_t]] = acc_e
+            got[acc_t] += 1
+            room -= torch.bincount(acc_e, minlength=E)
+        w = _renorm(probs.gather(1, ids), self.renorm)
+        return Routing(weights=w, ids=ids)
+
+    def _dynamic(self, logits: torch.Tensor) -> Routing:
+        probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
+        w, ids = torch.topk(probs, self.k_max, dim=-1)
+        before = torch.cumsum(w, dim=-1) - w  # mass of the experts ranked above each one
+        keep = before < self.cfg.top_p
+        keep[:, : self.cfg.k_min] = True
+        w = torch.where(keep, w, torch.zeros_like(w))
+        ids = torch.where(keep, ids, torch.full_like(ids, -1))
+        return Routing(weights=_renorm(w, self.renorm), ids=ids)
+
+    def _velocity(self, layer: int, logits: torch.Tensor, x: torch.Tensor, batch: GatingBatch) -> Routing:
+        cfg, st = self.cfg, self.state
+        T, dev = logits.shape[0], logits.device
+        slots, pos, prev_row = batch.slots_T, batch.positions_T, batch.prev_row_T
+        xf = x.float()
+        # cosine distance to the predecessor's input: in this step if there, else the stored one
+        prev_x = st.prev_x[slots, layer].clone()
+        inside = prev_row >= 0
+        prev_x[inside] = xf[prev_row[inside]]
+        dist = 1 - torch.cosine_similarity(xf, prev_x, dim=-1)
+        dist = torch.where(pos > 0, dist, torch.full_like(dist, float("nan")))
+        # v_t = beta * v_(t-1) + (1 - beta) * d_t, walked in waves (a row's predecessor is in the wave before)
+        vel = torch.full((T,), float("nan"), device=dev)
+        stored = st.velocity[slots, layer]
+        for wv in batch.wave_list():
+            pr = prev_row[wv]
+            base = torch.where(pr >= 0, vel[pr.clamp(min=0)], stored[wv])
+            base = torch.where(pos[wv] == 0, torch.full_like(base, float("nan")), base)
+            d = dist[wv]
+            vel[wv] = torch.where(torch.isnan(base), d, cfg.velocity_beta * base + (1 - cfg.velocity_beta) * d)
+        st.velocity[slots[batch.last_rows], layer] = vel[batch.last_rows]
+        # the rule (module docstring); a token with no history yet (nan) counts as neither fast nor slow
+        w, ids = select_experts_ref(logits, self.K, self.renorm)
+        fast = torch.nan_to_num(vel, nan=-1.0) >= cfg.velocity_fast
+        slow = torch.nan_to_num(vel, nan=float("inf")) <= cfg.velocity_slow
+        kv, tiny = cfg.velocity_k, torch.finfo(torch.float32).tiny
+        if kv < self.K:
+            drop = (fast | slow)[:, None] & (torch.arange(self.K, device=dev) >= kv)[None, :]
+            kept = torch.where(drop, torch.zeros_like(w), w)
+            rescaled = kept * w.sum(1, keepdim=True) / kept.sum(1, keepdim=True).clamp_min(tiny)
+            w = torch.where(fast[:, None], rescaled, kept)
+            ids = torch.where(drop, torch.full_like(ids, -1), ids)
+        shared = None
+        if self.has_shared:
+            shared = torch.where(slow, 1 + cfg.velocity_shared_boost, 1.0).float()
+        return Routing(weights=w, ids=ids, shared_scale=shared)
+
+    def _sticky(self, layer: int, logits: torch.Tensor, batch: GatingBatch) -> Routing:
+        T, K = logits.shape[0], self.K
+        probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
+        ids = torch.topk(probs, K, dim=-1).indices
+        stored = self.state.prev_ids[batch.slots_T, layer, :K]
+        for wv in batch.wave_list():
+            pr = batch.prev_row_T[wv]
+            prev = torch.where((pr >= 0)[:, None], ids[pr.clamp(min=0)], stored[wv])
+            prev = torch.where((batch.positions_T[wv] == 0)[:, None], torch.full_like(prev, -1), prev)
+            ids[wv] = _stick(probs[wv], ids[wv], prev, self.cfg.sticky_margin)
+        return Routing(weights=_renorm(probs.gather(1, ids), self.renorm), ids=ids)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """{"policy", "thrash": [L] (nan: no pairs), "bias_absmax", "policy_tokens", "experts_per_token"}."""
+        routed = sum(self.policy_tokens.values())
+        return {"policy": self.cfg.policy, "thrash": self.state.thrash(),
+                "bias_absmax": float(self.bias.abs().max()) if self.bias.numel() else 0.0,
+                "policy_tokens": dict(self.policy_tokens),
+                "experts_per_token": self.experts_used / routed if routed else float("nan")}
+
+
+def _stick(probs_NE: torch.Tensor, new_NK: torch.Tensor, prev_NK: torch.Tensor, margin: float) -> torch.Tensor:
+    """Replace newly chosen experts by previous ones that score within `margin` (see module docstring)."""
+    new = new_NK.clone()
+    N, K = new.shape
+    if N == 0:
+        return new
+    rows = torch.arange(N, device=new.device)
+    # previous experts in descending score order
+    pscore = torch.where(prev_NK >= 0, probs_NE.gather(1, prev_NK.clamp(min=0)), torch.full(prev_NK.shape, -1.0, device=new.device))
+    porder = torch.argsort(pscore, dim=1, descending=True)
+    for j in range(prev_NK.shape[1]):
+        p = prev_NK.gather(1, porder[:, j : j + 1]).squeeze(1)
+        ps = pscore.gather(1, porder[:, j : j + 1]).squeeze(1)
+        valid = p >= 0
+        in_new = (new == p[:, None]).any(dim=1)
+        # candidates to replace: chosen experts that the previous token did not use
+        was_prev = (new[:, :, None] == prev_NK[:, None, :]).any(dim=2)
+        nscore = torch.where(was_prev, torch.full((N, K), 2.0, device=new.device), probs_NE.gather(1, new))
+        slot = nscore.argmin(dim=1)
+        ok = valid & ~in_new & (nscore[rows, slot] <= 1.0) & (ps >= nscore[rows, slot] - margin)
+        new[rows[ok], slot[ok]] = p[ok]
+    return new
