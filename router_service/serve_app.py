@@ -36,13 +36,14 @@ from typing import AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from actors.messages import TokenOutput
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.grpc_server import api_key_ok, params_error_field, served_model_name
 from router_service.http_models import (ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields,
                                         ServeAppArgs)
+from router_service.metrics import Metrics
 from router_service.router import RequestStream, Router
 
 log = logging.getLogger("moeray.http")
@@ -104,36 +105,6 @@ def load_chat_template(model_dir: str) -> ChatTemplate:
     if src:
         return ChatTemplate(src, tok("bos_token"), tok("eos_token"), origin=path)
     return ChatTemplate(DEFAULT_CHAT_TEMPLATE, tok("bos_token"), tok("eos_token"))
-
-
-# ---------------------------------------------------------------------------------------------- metrics
-class Metrics:
-    """Prometheus metrics of one app, in its own registry (so several apps can live in one process)."""
-
-    def __init__(self, router: Router):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("moeray_http_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "code"], registry=r)
-        self.rejections = Counter("moeray_rejections", "requests refused before generation, by reason",
-                                  ["reason"], registry=r)
-        self.prompt_tokens = Counter("moeray_prompt_tokens", "prompt tokens of admitted requests", registry=r)
-        self.generated_tokens = Counter("moeray_generated_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("moeray_time_to_first_token_seconds", "time to first token (s)", registry=r,
-                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-        self.in_flight = Gauge("moeray_requests_in_flight", "requests in flight in the router", registry=r)
-        self.in_flight.set_function(lambda: router.in_flight)
-        self.kv_free = Gauge("moeray_kv_blocks_free", "free KV blocks over all ranks", registry=r)
-        self.kv_total = Gauge("moeray_kv_blocks_total", "KV blocks over all ranks", registry=r)
-        self.running = Gauge("moeray_sequences_running", "sequences running over all ranks", registry=r)
-        self.waiting = Gauge("moeray_sequences_waiting", "sequences waiting over all ranks", registry=r)
-        self.ranks_failed = Gauge("moeray_ranks_failed", "ranks reporting a failure", registry=r)
-
-    def refresh(self, stats: dict) -> None:
-        self.kv_free.set(stats["kv_blocks_free"])
-        self.kv_total.set(stats["kv_blocks_total"])
-        self.running.set(stats["running"])
-        self.waiting.set(stats["waiting"])
-        self.ranks_failed.set(sum(1 for r in stats["ranks"] if r.get("failed")))
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -252,14 +223,11 @@ class OpenAIServer:
         for i, s in enumerate(streams):
             threading.Thread(target=pump, args=(i, s), daemon=True, name=f"sse-{s.request_id}").start()
         left = len(streams)
-        first = [True] * len(streams)
+        timer = self.metrics.observer([s.t0 for s in streams])  # TTFT, inter-token and end-to-end latency
         try:
             while left:
                 i, o = await aq.get()
-                if o.token_ids and first[i]:
-                    first[i] = False
-                    self.metrics.ttft.observe(time.perf_counter() - streams[i].t0)
-                self.metrics.generated_tokens.inc(len(o.token_ids))
+                timer.observe(i, o.token_ids, o.finish_reason)
                 if o.finish_reason is not None:
                     left -= 1
                 yield i, o
@@ -475,6 +443,15 @@ if serve is not None:
             bad = [r for r in self.router.cluster.health() if not r.get("ok")]
             if bad:
                 raise RuntimeError(f"ranks unhealthy: {bad}")
+
+        async def record_autoscaling_stats(self) -> dict[str, float]:
+            """Serve's custom-metrics hook (polled every look_back_period_s / 5): queue depth, ITL p95 (ms)
+            and rank balancedness of this replica, read by `router_service.autoscaling.MoerayAutoscalingPolicy`."""
+            from router_service.autoscaling import ReplicaSignals
+
+            if getattr(self, "_signals", None) is None:
+                self._signals = ReplicaSignals()
+            return await asyncio.get_running_loop().run_in_executor(None, self._signals.collect, self.router)
 
         def __del__(self):
             if getattr(self, "grpc", None) is not None:
