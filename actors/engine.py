@@ -25,6 +25,7 @@ from actors.model import MoEModel
 from actors.sampling import SamplingParams, sample
 from actors.scheduler import Scheduler, Sequence
 from actors.weights import load_rank_weights
+from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +53,9 @@ class EngineConfig:
     weight_group_size: int = 64
     expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: all)
     prefetch: str = "none"  # expert prefetch predictor name
+    # gating policy of the deployment (router_service.routing.gating.POLICIES) and its knobs (GatingConfig)
+    gating: str = "exact"
+    gating_options: dict | None = None
     device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
 
     def __post_init__(self) -> None:
@@ -66,6 +70,15 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        self.gating_config()  # validates policy and options
+
+    def gating_config(self) -> GatingConfig:
+        """The deployment's `GatingConfig` (the fused selection kernel follows `kernel_backend`).
+
+        Raises:
+            ValueError: unknown policy or option, or an out-of-range knob.
+        """
+        return GatingConfig.from_options(self.gating, self.gating_options, backend=self.kernel_backend)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -103,6 +116,13 @@ class RankEngine:
         self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)
         self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
         self.model.experts = self._build_experts(weights, local)
+        # one gating-state slot per concurrent sequence, plus a scratch slot for prompt scoring
+        self.model.gating_router = GatingRouter(
+            cfg.gating_config(), num_layers=mc.num_layers, num_experts=max(mc.num_experts, 1), top_k=max(mc.top_k, 1),
+            renormalize=mc.norm_topk_prob, hidden=mc.hidden_size, num_slots=cfg.max_num_seqs + 1,
+            has_shared_expert=mc.has_shared_expert, device=self.device)
+        self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
+        self._slot_of: dict[str, int] = {}
         self.cache = self._build_kv_cache()
         self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens)
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
@@ -143,6 +163,63 @@ class RankEngine:
             return self.model.experts
         return self.expert_runtime.layers
 
+    # ------------------------------------------------------------------------ expert placement (EPLB)
+    def prepare_placement(self, placement: ExpertPlacement) -> dict[str, torch.Tensor]:
+        """Read this rank's experts under `placement` (full precision, compute dtype, on the device) without
+        touching the running engine, so it may run on another thread while steps go on.
+
+        Experts this rank already holds are copied from memory (plain path); the others are read from the
+        checkpoint (`actors.weights`, only their slices). Returns {layers.{l}.w_gate_up [E_loc, 2I, D],
+        layers.{l}.w_down [E_loc, D, I]} per MoE layer (E_loc = 0 for a packed checkpoint: the expert store
+        reads those itself). Raises ValueError if the placement's world size or layer count does not match.
+        """
+        from actors.weights import CheckpointReader, load_expert_weights
+
+        mc, dtype = self.model_cfg, self.cfg.torch_dtype
+        old = self.dispatcher.placement
+        if placement.world_size != old.world_size or placement.num_layers != mc.num_layers:
+            raise ValueError(f"placement world_size={placement.world_size}, layers={placement.num_layers}; "
+                             f"engine has world_size={old.world_size}, layers={mc.num_layers}")
+        reader = CheckpointReader(self.cfg.model)
+        out: dict[str, torch.Tensor] = {}
+        for l in range(mc.num_layers):
+            if not mc.moe_layers[l]:
+                continue
+            new = placement.local_experts(l, self.rank)
+            key_gu, key_dn = f"layers.{l}.w_gate_up", f"layers.{l}.w_down"
+            held = {g: i for i, g in enumerate(old.local_experts(l, self.rank))}
+            if key_gu in self.model.w and self.model.w[key_gu].shape[0] == len(held) and all(g in held for g in new):
+                rows = torch.tensor([held[g] for g in new], dtype=torch.int64, device=self.device)
+                out[key_gu], out[key_dn] = self.model.w[key_gu][rows].clone(), self.model.w[key_dn][rows].clone()
+                continue
+            gu, dn = load_expert_weights(reader, mc, l, new, dtype)
+            out[key_gu], out[key_dn] = gu.to(self.device), dn.to(self.device)
+        return out
+
+    def apply_placement(self, placement: ExpertPlacement, prepared: dict[str, torch.Tensor] | None = None) -> None:
+        """Switch this rank to `placement`: its expert shard, the experts seam and the dispatcher tables.
+
+        Call on the step thread between steps, on every rank at the same step (`actors.rank_actor` does);
+        sequences, KV cache and non-expert weights are untouched, so no request is lost. `prepared`: the
+        result of `prepare_placement(placement)` (read now if None). The packed path (weight_bits or a
+        packed checkpoint) rebuilds its expert store; its cache and prefetch statistics start over.
+        """
+        from actors.experts import LocalExperts
+
+        if prepared is None:
+            prepared = self.prepare_placement(placement)
+        mc = self.model_cfg
+        local = [placement.local_experts(l, self.rank) for l in range(mc.num_layers)]
+        if self.expert_runtime is not None:
+            self.expert_runtime.wait_idle()
+            self.expert_runtime.detach()
+        else:
+            self.model.w.update(prepared)
+        self.model.experts = [LocalExperts(prepared[f"layers.{l}.w_gate_up"], prepared[f"layers.{l}.w_down"])
+                              if mc.moe_layers[l] else None for l in range(mc.num_layers)]
+        self.model.experts = self._build_experts(dict(prepared), local)
+        self.dispatcher.set_placement(placement)
+
     # ------------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest) -> None:
         params_d = dict(req.params)
@@ -174,7 +251,7 @@ class RankEngine:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, set()
         for rid in aborts:
-            self._kv_profile_of.pop(rid, None)
+            self._release(rid)
         for seq in inbox:
             if seq.request_id in aborts:
                 aborts.discard(seq.request_id)
@@ -184,6 +261,35 @@ class RankEngine:
         for rid in aborts:
             if self.scheduler.abort(rid) is not None:
                 self.outputs.append(TokenOutput(request_id=rid, finish_reason="abort"))
+
+    def _release(self, rid: str) -> None:
+        """Per-request state off the KV cache: the KV profile and the gating slot."""
+        self._kv_profile_of.pop(rid, None)
+        slot = self._slot_of.pop(rid, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+
+    def _gating_batch(self, seqs: list[Sequence], pos: torch.Tensor, meta: AttentionMetadata) -> GatingBatch:
+        """Token -> gating slot (and per-request policy) for this step; tokens are laid out as in `_metadata`."""
+        counts = [n for _, n, _, _ in meta.prefills] + [1] * (len(seqs) - len(meta.prefills))
+        slots, pols, default = [], [], self.model.gating_router.cfg.policy
+        for seq in seqs:
+            slot = self._slot_of.get(seq.request_id)
+            if slot is None:
+                if not self._free_slots:  # preempted sequences restart at position 0: their slots are stale
+                    live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in seqs}
+                    for rid in [r for r in self._slot_of if r not in live]:
+                        self._free_slots.append(self._slot_of.pop(rid))
+                slot = self._slot_of[seq.request_id] = self._free_slots.pop()
+            slots.append(slot)
+            pols.append(POLICIES.index(seq.params.gating or default))
+        dev = self.device
+        rep = torch.tensor(counts, dtype=torch.int64)
+        slot_T = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), rep).to(dev)
+        policy_T = None
+        if any(p != pols[0] for p in pols) or (pols and POLICIES[pols[0]] != default):
+            policy_T = torch.repeat_interleave(torch.tensor(pols, dtype=torch.int64), rep).to(dev)
+        return GatingBatch(slots_T=slot_T, positions_T=pos, policy_T=policy_T)
 
     # ------------------------------------------------------------------------ step
     def _metadata(self, prefills: list[Sequence], decodes: list[Sequence]):
@@ -225,14 +331,16 @@ class RankEngine:
         self._drain_inbox()
         batch = self.scheduler.schedule()
         for seq, err in batch.failed:
+            self._release(seq.request_id)
             self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="error", error=err))
         for seq in batch.prefills:
             if seq.request_id in self._kv_profile_of:
                 self.cache.bind(seq.block_table[0], self._kv_profile_of[seq.request_id])
         ids, pos, meta = self._metadata(batch.prefills, batch.decodes)
-        t1 = time.perf_counter()
-        h = self.model.forward(ids, pos, self.cache, meta)
         seqs = batch.prefills + batch.decodes
+        gb = self._gating_batch(seqs, pos, meta)
+        t1 = time.perf_counter()
+        h = self.model.forward(ids, pos, self.cache, meta, gb)
         last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
         t2 = time.perf_counter()
         if seqs:
@@ -264,7 +372,7 @@ class RankEngine:
             elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.cfg.max_model_len:
                 reason = "length"
         if reason is not None:
-            self._kv_profile_of.pop(seq.request_id, None)
+            self._release(seq.request_id)
             if not seq.detok.stopped:
                 text += seq.detok.flush()
             self.scheduler.finish(seq, reason)
@@ -286,7 +394,10 @@ class RankEngine:
                 decode_block_tables=torch.zeros(0, 0, dtype=torch.int64, device=dev),
                 decode_context_lens=torch.zeros(0, dtype=torch.int64, device=dev),
                 prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64, device=dev))])
-            h = self.model.forward(torch.tensor(prompt_ids, device=dev), torch.arange(n, device=dev), self.cache, meta)
+            pos = torch.arange(n, device=dev)
+            scratch = GatingBatch(slots_T=torch.full((n,), self.cfg.max_num_seqs, dtype=torch.int64, device=dev),
+                                  positions_T=pos)
+            h = self.model.forward(torch.tensor(prompt_ids, device=dev), pos, self.cache, meta, scratch)
             return self.model.logits(h).cpu()
         finally:
             self.cache.allocator.free_all(blocks)
@@ -299,4 +410,5 @@ class RankEngine:
             "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_free,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "comm_s": self.dispatcher.comm_s, **self.timing,
+            "routing": self.model.gating_router.stats(),
         }

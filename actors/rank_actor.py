@@ -7,6 +7,12 @@ contributes `[has_work, seen_seq, stop]` to one `all_reduce(MAX)`; all ranks the
 the same `agreed_seq`, on whether to run a step (all of them do, with zero tokens if need be), and
 on when to go back to sleep or stop. Since every `seq` reaches every rank, a rank that wakes for
 `seq` is always joined by the others.
+
+Expert placement changes (EPLB rebalancing) ride on the same all_reduce: the launcher first has every
+rank `prepare_placement(placement, epoch)` (weights read off the step thread), then `commit_placement(epoch)`
+on every rank. A fourth flag carries `-committed_epoch`, so MAX gives minus the smallest epoch committed on
+all ranks; when that exceeds the applied epoch, every rank applies it in the same round, before the step.
+Sequences and KV caches are untouched, so requests in flight just continue under the new placement.
 """
 from __future__ import annotations
 
@@ -48,6 +54,12 @@ class RankWorker:
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
         self.group = None
+        # placement epochs: prepared (weights read), committed (ready to apply), applied (in use)
+        self._prepared: dict[int, tuple[ExpertPlacement, dict]] = {}
+        self._commit_epoch = 0
+        self._applied_epoch = 0
+        self._applied_step = 0
+        self._pl_cond = threading.Condition()
 
     # ------------------------------------------------------------------ bring-up
     def node_address(self) -> tuple[str, int]:
@@ -114,7 +126,68 @@ class RankWorker:
     def stats(self) -> dict:
         s = self.engine.stats() if self.engine else {}
         s["failed"] = self._failed
+        if self.engine is not None:
+            # rows this rank sent to each rank per layer (cumulative [L][W]): the measured rank load
+            s["dispatch_rows"] = self.engine.dispatcher.sent_rows.tolist()
+            s["placement_epoch"] = self._applied_epoch
+            if getattr(self.engine, "expert_runtime", None) is not None:  # packed experts: cache hit rate, recall
+                try:
+                    s["expert_cache"] = self.engine.expert_runtime.summary()
+                except RuntimeError:  # a layer's counters were created mid-read by the step thread; next time
+                    pass
         return s
+
+    # ------------------------------------------------------------------ expert placement
+    def prepare_placement(self, placement: dict, epoch: int) -> dict:
+        """Phase 1 of a placement change: read this rank's new expert shard (the loop keeps stepping).
+
+        Returns {rank, epoch, load_s}. Raises ValueError if epoch is not above the applied one.
+        """
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
+        if epoch <= self._applied_epoch:
+            raise ValueError(f"placement epoch={epoch} must exceed the applied epoch {self._applied_epoch}")
+        t0 = time.perf_counter()
+        pl = ExpertPlacement.from_dict(placement)
+        weights = self.engine.prepare_placement(pl)
+        with self._cond:
+            self._prepared[epoch] = (pl, weights)
+        return {"rank": self.rank, "epoch": epoch, "load_s": time.perf_counter() - t0}
+
+    def commit_placement(self, epoch: int, timeout_s: float = 120.0) -> dict:
+        """Phase 2: apply prepared `epoch` at the next round that all ranks have committed it; block until
+        applied. Returns {rank, epoch, step} (step = engine steps run before the switch, equal on all ranks).
+
+        Raises:
+            ValueError: `epoch` was not prepared on this rank. TimeoutError: not applied within timeout_s
+            (a peer was not committed). RuntimeError: the rank failed.
+        """
+        with self._cond:
+            if epoch not in self._prepared and epoch > self._applied_epoch:
+                raise ValueError(f"placement epoch={epoch} was not prepared on rank {self.rank}")
+            self._commit_epoch = max(self._commit_epoch, epoch)
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout_s
+        with self._pl_cond:
+            while self._applied_epoch < epoch and self._failed is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.rank}: placement epoch={epoch} not applied within {timeout_s}s")
+                self._pl_cond.wait(timeout=min(left, 1.0))
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
+        return {"rank": self.rank, "epoch": epoch, "step": self._applied_step}
+
+    def _apply_placement(self, epoch: int) -> None:
+        with self._cond:
+            pl, weights = self._prepared.pop(epoch)
+            for old in [e for e in self._prepared if e < epoch]:
+                del self._prepared[old]
+        self.engine.apply_placement(pl, weights)
+        self.placement = pl
+        with self._pl_cond:
+            self._applied_epoch, self._applied_step = epoch, self.engine.timing["steps"]
+            self._pl_cond.notify_all()
 
     def health(self) -> dict:
         return {"rank": self.rank, "ok": self._failed is None and self._thread is not None and self._thread.is_alive(),
@@ -132,14 +205,15 @@ class RankWorker:
 
     def _loop(self) -> None:
         agreed, idle = 0, True
-        flag = torch.zeros(3, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
+        flag = torch.zeros(4, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
         try:
             while True:
                 with self._cond:
-                    while idle and self._wake_seq <= agreed and not self._stop:
+                    while (idle and self._wake_seq <= agreed and not self._stop
+                           and self._commit_epoch <= self._applied_epoch):
                         self._cond.wait(timeout=5.0)
-                    seen, stop = self._wake_seq, self._stop
-                flag[0], flag[1], flag[2] = int(self.engine.has_work), seen, int(stop)
+                    seen, stop, committed = self._wake_seq, self._stop, self._commit_epoch
+                flag[0], flag[1], flag[2], flag[3] = int(self.engine.has_work), seen, int(stop), -committed
                 if self.world_size > 1:
                     t0 = time.perf_counter()
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -147,6 +221,8 @@ class RankWorker:
                 agreed = int(flag[1])
                 if flag[2]:
                     break
+                if -int(flag[3]) > self._applied_epoch:  # committed on every rank: switch now, all together
+                    self._apply_placement(-int(flag[3]))
                 if not flag[0]:
                     idle = True
                     continue
@@ -156,6 +232,8 @@ class RankWorker:
             self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
             traceback.print_exc()
             self._fail_all(self._failed)
+            with self._pl_cond:
+                self._pl_cond.notify_all()
         finally:
             if self.world_size > 1 and dist.is_initialized():
                 try:

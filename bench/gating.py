@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = {}
     for kv in a.option:
         k, v = kv.split("=", 1)
-        opts[k] = int(v) if v.isdigit() else float(v)
+        opts[k] = {"true": True, "false": False}.get(v.lower(), None)
+        if opts[k] is None:
+            opts[k] = int(v) if v.isdigit() else float(v)
     n_seq = (WINDOW // a.seq_len) * (1 if a.quick else 4)
     mc = ModelConfig.from_pretrained(a.model)
     E, K = mc.num_experts, mc.top_k

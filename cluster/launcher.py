@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import deque
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -11,7 +14,7 @@ from actors.config import ModelConfig
 from actors.rank_actor import RankWorker
 from cluster.config import ClusterConfig
 from cluster.metrics import aggregate_stats
-from cluster.placement import contiguous_placement
+from cluster.placement import contiguous_placement, eplb_placement, expected_rank_load
 
 log = logging.getLogger("moeray.cluster")
 
@@ -51,12 +54,88 @@ class EPCluster:
         self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s) for r in self.ranks],
                             timeout=timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
+        # sliding window of expert load: (monotonic time s, cumulative [L][E] summed over ranks) snapshots,
+        # taken by every stats() / sample_load() / rebalance() call; the first is all zeros (cluster start)
+        self._load_snaps: deque = deque(maxlen=4096)
+        self._load_snaps.append((time.monotonic(), [[0] * mc.num_experts for _ in range(mc.num_layers)]))
+        self._placement_epoch = 0
+        self._rebalance_lock = threading.Lock()
         log.info("EP group up: %d ranks, %s, %d KV blocks per rank", cfg.ranks, cfg.backend, self.kv_blocks_per_rank)
 
     def stats(self) -> dict:
         """Cluster snapshot: per-rank stats and aggregated expert load (see `cluster.metrics`)."""
         per_rank = ray.get([r.stats.remote() for r in self.ranks], timeout=30)
-        return aggregate_stats(per_rank, self.placement)
+        out = aggregate_stats(per_rank, self.placement)
+        self._load_snaps.append((time.monotonic(), out["expert_load"]))
+        return out
+
+    # ------------------------------------------------------------------ expert placement (EPLB)
+    def sample_load(self) -> list[list[int]]:
+        """Take a load snapshot now; returns the cumulative expert load [L][E] (summed over ranks)."""
+        return self.stats()["expert_load"]
+
+    def windowed_load(self, window_s: float | None = None) -> list[list[int]]:
+        """Expert load [L][E] routed within the last `window_s` seconds (None: since cluster start).
+
+        Sliding window by differencing cumulative snapshots: now minus the oldest snapshot taken at most
+        `window_s` ago (so the window's true length is between the age of that snapshot and window_s;
+        sample_load() more often for a finer window). Raises ValueError if window_s <= 0.
+        """
+        if window_s is not None and window_s <= 0:
+            raise ValueError(f"window_s={window_s} must be > 0 (or None for since start)")
+        now = self.sample_load()
+        t_now = self._load_snaps[-1][0]
+        base = self._load_snaps[0][1]
+        if window_s is not None:
+            inside = [snap for t, snap in self._load_snaps if t >= t_now - window_s]
+            base = inside[0]  # never empty: it holds the snapshot just taken
+        return [[a - b for a, b in zip(ra, rb)] for ra, rb in zip(now, base)]
+
+    def rebalance(self, window_s: float | None = None, num_redundant: int | None = None,
+                  load: list[list[float]] | None = None, timeout_s: float = 120.0) -> dict:
+        """Plan an EPLB placement from the observed expert load and switch every rank to it between two steps,
+        while requests keep running (none is lost or restarted).
+
+        Args:
+            window_s: load window in seconds (see `windowed_load`; None: everything since start).
+            num_redundant: extra expert replicas per layer (default: world size, one spare slot per rank).
+            load: [L][E] loads to plan from instead of the observed window (tests, offline plans).
+        Returns {epoch, step (engine steps each rank ran before switching), tokens (assignments in the
+        window), redundant (per layer), rank_balance_before / _after (per layer mean/max of the window's
+        expected rank load under the old / new placement), load_s (slowest rank's weight read, s)}.
+        Raises:
+            ValueError: bad window_s / num_redundant. RuntimeError: the ranks did not switch at the same step.
+        """
+        W = self.cfg.ranks
+        mc = self.model_config
+        if num_redundant is None:
+            num_redundant = W if W > 1 else 0
+        with self._rebalance_lock:
+            if load is None:
+                load = self.windowed_load(window_s)
+            dense = [l for l in range(mc.num_layers) if not mc.moe_layers[l]]
+            new = eplb_placement(load, W, num_redundant, dense_layers=dense)
+            self._placement_epoch += 1
+            epoch = self._placement_epoch
+            prep = ray.get([r.prepare_placement.remote(new.to_dict(), epoch) for r in self.ranks], timeout=timeout_s)
+            done = ray.get([r.commit_placement.remote(epoch, timeout_s) for r in self.ranks], timeout=timeout_s + 10)
+            steps = {d["step"] for d in done}
+            if len(steps) != 1:
+                raise RuntimeError(f"placement epoch={epoch} applied at different steps per rank: {done}")
+            old, self.placement = self.placement, new
+        moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
+
+        def bal(p):
+            rl = expected_rank_load(p, load)
+            return [(sum(rl[l]) / W) / max(rl[l]) if max(rl[l]) > 0 else 1.0 for l in moe]
+
+        out = {"epoch": epoch, "step": steps.pop(), "tokens": sum(map(sum, load)),
+               "redundant": [new.num_redundant(l) for l in range(mc.num_layers)],
+               "rank_balance_before": bal(old), "rank_balance_after": bal(new),
+               "load_s": max(p["load_s"] for p in prep)}
+        log.info("placement epoch %d applied at step %d: rank balance (mean/max) %s -> %s", epoch, out["step"],
+                 [round(x, 3) for x in out["rank_balance_before"]], [round(x, 3) for x in out["rank_balance_after"]])
+        return out
 
     def health(self) -> list[dict]:
         out = []
