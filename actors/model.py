@@ -119,8 +119,8 @@ class MoEModel:
         else:
             topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         if topk_ids.numel():
-            used = topk_ids.reshape(-1)
-            self.expert_load[l] += torch.bincount(used[used >= 0], minlength=self.cfg.num_experts)
+            # ids of -1 (padding) land in bin 0 and are dropped: no boolean-mask copy on the hot path
+            self.expert_load[l] += torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.cfg.num_experts + 1)[1:]
             if self.on_route is not None:
                 self.on_route(l, topk_ids)
         out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l])

@@ -33,7 +33,7 @@ and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than
 
 Per-sequence state (previous expert set, previous layer input, velocity) lives in `RoutingState` slots
 indexed by the engine's sequence slot; a token at position 0 starts fresh. The same state gives the
-router-thrash metric (`stats.jaccard_distance` between consecutive tokens' expert sets) for every policy.
+router-thrash metric (Jaccard distance, as `stats.jaccard_distance`, between consecutive tokens' expert sets) for every policy.
 
 Shape legend: T = tokens in the call, E = routed experts, K = experts per token (config top-k),
 K' = widest row of a call (>= 1), D = hidden, S = sequence slots, L = layers.
@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.gating import sanitize_router_logits, select_experts_ref
-from router_service.routing.stats import jaccard_distance
 
 POLICIES = ("exact", "balanced", "capacity", "dynamic", "velocity", "sticky")
 
@@ -135,6 +134,9 @@ class GatingBatch:
     last_rows: torch.Tensor = field(init=False)
     # derived: waves[j] = rows that are the j-th token of their sequence in this step (recurrences)
     waves: list[torch.Tensor] = field(init=False)
+    slots_last: torch.Tensor = field(init=False)
+    fresh_T: torch.Tensor = field(init=False)
+    has_inner: bool = field(init=False)
 
     def __post_init__(self) -> None:
         T = self.slots_T.numel()
@@ -148,6 +150,9 @@ class GatingBatch:
         if T > 1:
             is_last[:-1] = ~same[1:]
         self.last_rows = rows[is_last]
+        self.slots_last = self.slots_T[self.last_rows]
+        self.fresh_T = self.positions_T == 0  # first token of a sequence: no predecessor
+        self.has_inner = bool(same.any()) if T > 1 else False
         self.waves = []  # computed lazily by `wave_list`
 
     def wave_list(self) -> list[torch.Tensor]:
@@ -172,7 +177,8 @@ class RoutingState:
     """Per-sequence routing memory, one slot per live sequence, plus thrash counters per layer.
 
     prev_ids [S, L, Kmax] int64 (-1 = none): the last routed token's final expert set.
-    prev_x [S, L, D]: that token's MoE layer input (velocity). velocity [S, L] fp32 (nan = unset).
+    prev_x [S, L, D]: that token's MoE layer input (velocity; allocated on first use). velocity [S, L] fp32
+    (nan = unset).
     """
 
     def __init__(self, num_slots: int, num_layers: int, num_experts: int, k_max: int, hidden: int,
@@ -180,40 +186,50 @@ class RoutingState:
         self.num_experts = num_experts
         self.k_max = k_max
         self.prev_ids = torch.full((num_slots, num_layers, k_max), -1, dtype=torch.int64, device=device)
-        self.prev_x = torch.zeros(num_slots, num_layers, hidden, dtype=torch.float32, device=device)
+        self.shape = (num_slots, num_layers, hidden)
+        self.device = device
+        self.prev_x: torch.Tensor | None = None  # allocated by the first velocity call (`inputs()`)
         self.velocity = torch.full((num_slots, num_layers), float("nan"), device=device)
-        self.thrash_sum = [0.0] * num_layers
-        self.thrash_n = [0] * num_layers
+        self.thrash_sum = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(num_layers)]
+        self.thrash_n = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(num_layers)]
+
+    def inputs(self) -> torch.Tensor:
+        """prev_x [S, L, D] fp32, allocated on first use. A velocity request's predecessor input is stored from
+        its own first call on, and a token at position 0 never reads it, so lazy allocation loses nothing."""
+        if self.prev_x is None:
+            self.prev_x = torch.zeros(*self.shape, dtype=torch.float32, device=self.device)
+        return self.prev_x
 
     def previous_ids(self, layer: int, batch: GatingBatch, cur_ids: torch.Tensor) -> torch.Tensor:
         """[T, Kmax] expert set of each token's predecessor (-1 rows where the token starts a sequence)."""
-        T = batch.slots_T.numel()
         prev = self.prev_ids[batch.slots_T, layer]
-        prev = torch.where((batch.positions_T == 0)[:, None], torch.full_like(prev, -1), prev)
-        inside = batch.prev_row_T >= 0
-        if bool(inside.any()):
-            padded = _pad(cur_ids, self.k_max)
-            prev[inside] = padded[batch.prev_row_T[inside]]
-        return prev[:T]
+        if batch.has_inner:
+            inside = batch.prev_row_T >= 0
+            prev[inside] = _pad(cur_ids, self.k_max)[batch.prev_row_T[inside]]
+        return prev.masked_fill_(batch.fresh_T[:, None], -1)
 
     def record(self, layer: int, batch: GatingBatch, ids: torch.Tensor, x_TD: torch.Tensor) -> None:
-        """Thrash accounting for this call's tokens, then store each sequence's last token's set and input."""
+        """Thrash accounting for this call's tokens, then store each sequence's last token's set (and input,
+        once a velocity policy has asked for inputs). Few ops: this runs for every MoE layer of every step."""
         if ids.numel() == 0:
             return
+        cur = _pad(ids, self.k_max)
         prev = self.previous_ids(layer, batch, ids)
-        has = (prev >= 0).any(dim=1)
-        if bool(has.any()):
-            d = jaccard_distance(prev[has], ids[has], self.num_experts)
-            self.thrash_sum[layer] += float(d.sum())
-            self.thrash_n[layer] += int(d.numel())
-        last = batch.last_rows
-        slots = batch.slots_T[last]
-        self.prev_ids[slots, layer] = _pad(ids[last], self.k_max)
-        self.prev_x[slots, layer] = x_TD[last].float()
+        # Jaccard distance |A ^ B| / |A u B| per token, by broadcasting over the (small) K x K pairs
+        va, vb = cur >= 0, prev >= 0
+        inter = ((cur[:, :, None] == prev[:, None, :]) & vb[:, None, :]).sum((1, 2))  # ids >= 0 never equal -1
+        na, nb = va.sum(1), vb.sum(1)
+        has = nb > 0
+        d = torch.where(has, 1 - inter / (na + nb - inter).clamp(min=1), 0.0)
+        self.thrash_sum[layer] += d.sum()
+        self.thrash_n[layer] += has.sum()
+        self.prev_ids[batch.slots_last, layer] = cur[batch.last_rows]
+        if self.prev_x is not None:
+            self.prev_x[batch.slots_last, layer] = x_TD[batch.last_rows].float()
 
     def thrash(self) -> list[float]:
         """Per-layer router thrash rate (mean Jaccard distance of consecutive tokens' sets; nan: no pairs)."""
-        return [s / n if n else float("nan") for s, n in zip(self.thrash_sum, self.thrash_n)]
+        return [float(s) / int(n) if int(n) else float("nan") for s, n in zip(self.thrash_sum, self.thrash_n)]
 
 
 def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -282,7 +298,8 @@ class GatingRouter:
                     shared[rows] = r.shared_scale
             out = Routing(weights=w, ids=ids, shared_scale=shared)
         self.state.record(layer, batch, out.ids, x_TD)
-        self.experts_used += int((out.ids >= 0).sum())
+        self.experts_used += (out.ids >= 0).sum() if self.cfg.policy in ("dynamic", "velocity") or \
+            batch.policy_T is not None else out.ids.numel()
         return out
 
     def _run(self, policy: str, layer: int, logits: torch.Tensor, x: torch.Tensor, batch: GatingBatch,
@@ -365,7 +382,7 @@ class GatingRouter:
         slots, pos, prev_row = batch.slots_T, batch.positions_T, batch.prev_row_T
         xf = x.float()
         # cosine distance to the predecessor's input: in this step if there, else the stored one
-        prev_x = st.prev_x[slots, layer].clone()
+        prev_x = st.inputs()[slots, layer].clone()
         inside = prev_row >= 0
         prev_x[inside] = xf[prev_row[inside]]
         dist = 1 - torch.cosine_similarity(xf, prev_x, dim=-1)
@@ -415,7 +432,7 @@ class GatingRouter:
         return {"policy": self.cfg.policy, "thrash": self.state.thrash(),
                 "bias_absmax": float(self.bias.abs().max()) if self.bias.numel() else 0.0,
                 "policy_tokens": dict(self.policy_tokens),
-                "experts_per_token": self.experts_used / routed if routed else float("nan")}
+                "experts_per_token": int(self.experts_used) / routed if routed else float("nan")}
 
 
 def _stick(probs_NE: torch.Tensor, new_NK: torch.Tensor, prev_NK: torch.Tensor, margin: float) -> torch.Tensor:

@@ -16,9 +16,9 @@ def _check(w, ids, k, E):
     assert bool(torch.isfinite(w).all())
 
 
-def test_nan_inf_rows_do_not_corrupt_others():
-    torch.manual_seed(0)
-    E, k = 8, 2
+def non_finite_logits(seed: int, E: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [6, E] with rows 1-5 non-finite in different ways, the clean original). Row 0 stays finite."""
+    torch.manual_seed(seed)
     logits = torch.randn(6, E)
     clean = logits.clone()
     logits[1] = float("nan")
@@ -27,6 +27,12 @@ def test_nan_inf_rows_do_not_corrupt_others():
     logits[4, :4] = float("nan")
     logits[5, 0] = float("inf")
     logits[5, 1] = float("inf")
+    return logits, clean
+
+
+def test_nan_inf_rows_do_not_corrupt_others():
+    E, k = 8, 2
+    logits, clean = non_finite_logits(0, E)
     for renorm in (False, True):
         w, ids = topk_softmax_ref(logits, k, renorm)
         _check(w, ids, k, E)

@@ -6,6 +6,7 @@ import torch
 
 from kernels.gating import select_experts_ref, topk_softmax_ref
 from kernels.gating_triton import select_experts_triton
+from tests.kernels.test_gating import non_finite_logits
 
 
 def _valid(w, ids, k, E):
@@ -45,14 +46,8 @@ def test_no_bias_is_exact_routing_and_bias_moves_selection_not_weights():
 
 
 def test_non_finite_rows_with_triton():
-    torch.manual_seed(1)
     E, k = 8, 2
-    logits = torch.randn(6, E)
-    clean = logits.clone()
-    logits[1] = float("nan")
-    logits[2, 3] = float("inf")
-    logits[3] = float("-inf")
-    logits[4, :4] = float("nan")
+    logits, clean = non_finite_logits(1, E)
     for renorm in (False, True):
         w, ids = select_experts_triton(logits, k, renorm, torch.full((E,), 0.01))
         _valid(w, ids, k, E)
@@ -60,6 +55,7 @@ def test_non_finite_rows_with_triton():
         assert torch.equal(ids[0], ids0[0]) and torch.allclose(w[0], w0[0], atol=1e-6)
         assert 3 in ids[2].tolist()
         assert set(ids[4].tolist()) <= set(range(4, 8))
+        assert set(ids[5].tolist()) == {0, 1}
 
 
 def test_zero_tokens_and_bad_args():
