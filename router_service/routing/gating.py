@@ -382,7 +382,7 @@ class GatingRouter:
         slots, pos, prev_row = batch.slots_T, batch.positions_T, batch.prev_row_T
         xf = x.float()
         # cosine distance to the predecessor's input: in this step if there, else the stored one
-        prev_x = st.inputs()[slots, layer].clone()
+        prev_x = st.inputs()[slots, layer]  # advanced indexing: a copy
         inside = prev_row >= 0
         prev_x[inside] = xf[prev_row[inside]]
         dist = 1 - torch.cosine_similarity(xf, prev_x, dim=-1)
