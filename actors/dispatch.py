@@ -153,8 +153,10 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def run(self, layer: int, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor,
-            experts) -> torch.Tensor:
-        """Returns out [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]), in x's dtype (ids -1: padding, skipped)."""
+            experts, may_pad: bool = True) -> torch.Tensor:
+        """Returns out [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]), in x's dtype (ids -1: padding, skipped).
+
+        may_pad=False promises no id is -1 (the gating policy cannot pad), which skips the padding scan."""
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -230,13 +232,15 @@ class AllToAllDispatcher(Dispatcher):
                                                         torch.tensor(alloc, device=ids_V.device))
         return self.rep_rank[layer][ids_V, choice_V], self.rep_local[layer][ids_V, choice_V]
 
-    def run(self, layer, x_TD, topk_ids_TK, topk_w_TK, experts):
+    def run(self, layer, x_TD, topk_ids_TK, topk_w_TK, experts, may_pad=True):
         T, K = topk_ids_TK.shape
         D = x_TD.shape[1]
         ids_P = topk_ids_TK.reshape(-1)
         tok_P = torch.arange(T, device=x_TD.device).repeat_interleave(K)
-        keep_V = (ids_P >= 0).nonzero().squeeze(1)  # id -1 = padding: never sent
-        padded = keep_V.numel() != ids_P.numel()
+        padded = False
+        if may_pad:  # id -1 = padding: never sent (the scan is a host sync, so only when a policy can pad)
+            keep_V = (ids_P >= 0).nonzero().squeeze(1)
+            padded = keep_V.numel() != ids_P.numel()
         ids_V, tok_V = (ids_P[keep_V], tok_P[keep_V]) if padded else (ids_P, tok_P)
         dest_V, local_V = self._route(layer, ids_V)
         if self.world == 1:

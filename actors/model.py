@@ -112,10 +112,10 @@ class MoEModel:
         w, p, E = self.w, f"layers.{l}.", self.cfg.num_experts
         y = F.linear(x_TD, w[p + "moe_in_w"])  # [T, E (+ 2 I_s + 1)]: router logits, shared gate/up, shared gate
         logits = y[:, :E]
-        shared_scale = None
+        shared_scale, may_pad = None, False
         if self.gating_router is not None and gating is not None:
             r = self.gating_router.route(l, logits, x_TD, gating)
-            topk_w, topk_ids, shared_scale = r.weights, r.ids, r.shared_scale  # [T, K'], [T, K'], [T]
+            topk_w, topk_ids, shared_scale, may_pad = r.weights, r.ids, r.shared_scale, r.may_pad  # [T, K'], [T]
         else:
             topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         if topk_ids.numel():
@@ -123,7 +123,7 @@ class MoEModel:
             self.expert_load[l] += torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.cfg.num_experts + 1)[1:]
             if self.on_route is not None:
                 self.on_route(l, topk_ids)
-        out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l])
+        out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l], may_pad=may_pad)
         if self.cfg.has_shared_expert:
             sg, su = y[:, E:-1].chunk(2, dim=-1)
             shared = F.linear(F.silu(sg) * su, w[p + "shared_down"])

@@ -41,6 +41,7 @@ K' = widest row of a call (>= 1), D = hidden, S = sequence slots, L = layers.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -109,11 +110,13 @@ class GatingConfig:
 @dataclass(kw_only=True, slots=True)
 class Routing:
     """One call's decision. weights [T, K'] fp32 (0 on padding), ids [T, K'] int64 (-1 = padding),
-    shared_scale [T] fp32 multiplier of the shared expert's output, or None (1 everywhere)."""
+    shared_scale [T] fp32 multiplier of the shared expert's output, or None (1 everywhere).
+    may_pad: whether any id can be -1 (only `dynamic` and `velocity` pad)."""
 
     weights: torch.Tensor
     ids: torch.Tensor
     shared_scale: torch.Tensor | None = None
+    may_pad: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -190,8 +193,12 @@ class RoutingState:
         self.device = device
         self.prev_x: torch.Tensor | None = None  # allocated by the first velocity call (`inputs()`)
         self.velocity = torch.full((num_slots, num_layers), float("nan"), device=device)
-        self.thrash_sum = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(num_layers)]
-        self.thrash_n = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(num_layers)]
+        self.thrash_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
+        self.thrash_n = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        # layers routed in the current step, accounted by `flush` (batch, [(layer, ids [T, Kmax], x_last)])
+        self.batch: GatingBatch | None = None
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self.lock = threading.Lock()  # stats() may flush from another thread
 
     def inputs(self) -> torch.Tensor:
         """prev_x [S, L, D] fp32, allocated on first use. A velocity request's predecessor input is stored from
@@ -200,36 +207,55 @@ class RoutingState:
             self.prev_x = torch.zeros(*self.shape, dtype=torch.float32, device=self.device)
         return self.prev_x
 
-    def previous_ids(self, layer: int, batch: GatingBatch, cur_ids: torch.Tensor) -> torch.Tensor:
-        """[T, Kmax] expert set of each token's predecessor (-1 rows where the token starts a sequence)."""
-        prev = self.prev_ids[batch.slots_T, layer]
-        if batch.has_inner:
-            inside = batch.prev_row_T >= 0
-            prev[inside] = _pad(cur_ids, self.k_max)[batch.prev_row_T[inside]]
-        return prev.masked_fill_(batch.fresh_T[:, None], -1)
-
     def record(self, layer: int, batch: GatingBatch, ids: torch.Tensor, x_TD: torch.Tensor) -> None:
-        """Thrash accounting for this call's tokens, then store each sequence's last token's set (and input,
-        once a velocity policy has asked for inputs). Few ops: this runs for every MoE layer of every step."""
-        if ids.numel() == 0:
-            return
-        cur = _pad(ids, self.k_max)
-        prev = self.previous_ids(layer, batch, ids)
-        # Jaccard distance |A ^ B| / |A u B| per token, by broadcasting over the (small) K x K pairs
-        va, vb = cur >= 0, prev >= 0
-        inter = ((cur[:, :, None] == prev[:, None, :]) & vb[:, None, :]).sum((1, 2))  # ids >= 0 never equal -1
-        na, nb = va.sum(1), vb.sum(1)
+        """Queue layer `layer`'s final expert sets of `batch` (and inputs, once a velocity policy asked for
+        them); `flush` accounts them. A step's layers are accounted together, in one set of ops, instead of
+        a dozen small ops per MoE layer on the decode path."""
+        if self.batch is not batch:
+            self.flush()
+        self.batch = batch
+        if ids.numel():
+            x_last = x_TD[batch.last_rows].float() if self.prev_x is not None else None
+            self.pending.append((layer, ids, x_last))
+
+    def flush(self) -> None:
+        """Thrash accounting for the queued layers, then store each sequence's last token's sets. Called by
+        the next step's first `route` (before anything reads `prev_ids`) and by `GatingRouter.stats`.
+        A layer only reads its own `prev_ids` before its own record, so flushing mid-step is also safe."""
+        with self.lock:
+            batch, pend = self.batch, self.pending
+            self.batch, self.pending = None, []
+        if pend:
+            with torch.inference_mode():  # stats() may flush outside the step's inference mode
+                self._account(batch, pend)
+
+    def _account(self, batch: GatingBatch, pend: list) -> None:
+        layers = torch.tensor([l for l, _, _ in pend], dtype=torch.int64, device=self.prev_ids.device)
+        width = max(c.shape[1] for _, c, _ in pend)
+        cur = torch.stack([_pad(c, width) for _, c, _ in pend], dim=1)  # [T, Lm, K'], padded once below
+        if width < self.k_max:
+            cur = torch.cat([cur, cur.new_full((*cur.shape[:2], self.k_max - width), -1)], dim=2)
+        prev = self.prev_ids[batch.slots_T][:, layers]  # the predecessor's sets: stored ...
+        if batch.has_inner:  # ... or, inside a prefill, the previous row's
+            inside = batch.prev_row_T >= 0
+            prev[inside] = cur[batch.prev_row_T[inside]]
+        prev.masked_fill_(batch.fresh_T[:, None, None], -1)
+        # Jaccard distance |A ^ B| / |A u B| per token and layer, by broadcasting over the K x K pairs
+        vb = prev >= 0
+        inter = ((cur[..., :, None] == prev[..., None, :]) & vb[..., None, :]).sum((2, 3))  # ids >= 0 never match -1
+        na, nb = (cur >= 0).sum(2), vb.sum(2)
         has = nb > 0
         d = torch.where(has, 1 - inter / (na + nb - inter).clamp(min=1), 0.0)
-        self.thrash_sum[layer] += d.sum()
-        self.thrash_n[layer] += has.sum()
-        self.prev_ids[batch.slots_last, layer] = cur[batch.last_rows]
-        if self.prev_x is not None:
-            self.prev_x[batch.slots_last, layer] = x_TD[batch.last_rows].float()
+        self.thrash_sum.index_add_(0, layers, d.sum(0).double())
+        self.thrash_n.index_add_(0, layers, has.sum(0))
+        self.prev_ids[batch.slots_last[:, None], layers[None, :]] = cur[batch.last_rows]
+        for l, _, x_last in pend:
+            if x_last is not None:
+                self.prev_x[batch.slots_last, l] = x_last
 
     def thrash(self) -> list[float]:
         """Per-layer router thrash rate (mean Jaccard distance of consecutive tokens' sets; nan: no pairs)."""
-        return [float(s) / int(n) if int(n) else float("nan") for s, n in zip(self.thrash_sum, self.thrash_n)]
+        return [float(s) / int(n) if int(n) else float("nan") for s, n in zip(self.thrash_sum.tolist(), self.thrash_n.tolist())]
 
 
 def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -277,6 +303,8 @@ class GatingRouter:
     # ------------------------------------------------------------------ entry point
     def route(self, layer: int, logits_TE: torch.Tensor, x_TD: torch.Tensor, batch: GatingBatch) -> Routing:
         """Route one MoE layer call; records per-sequence state and thrash. T may be 0."""
+        if self.state.batch is not batch:
+            self.state.flush()  # the previous step's sets, before any policy reads them
         T = logits_TE.shape[0]
         default = POLICIES.index(self.cfg.policy)
         if batch.policy_T is None or T == 0 or bool((batch.policy_T == default).all()):
@@ -296,10 +324,9 @@ class GatingRouter:
                 if r.shared_scale is not None:
                     shared = torch.ones(T, device=logits_TE.device) if shared is None else shared
                     shared[rows] = r.shared_scale
-            out = Routing(weights=w, ids=ids, shared_scale=shared)
+            out = Routing(weights=w, ids=ids, shared_scale=shared, may_pad=True)
         self.state.record(layer, batch, out.ids, x_TD)
-        self.experts_used += (out.ids >= 0).sum() if self.cfg.policy in ("dynamic", "velocity") or \
-            batch.policy_T is not None else out.ids.numel()
+        self.experts_used += (out.ids >= 0).sum() if out.may_pad else out.ids.numel()
         return out
 
     def _run(self, policy: str, layer: int, logits: torch.Tensor, x: torch.Tensor, batch: GatingBatch,
@@ -374,7 +401,7 @@ class GatingRouter:
         keep[:, : self.cfg.k_min] = True
         w = torch.where(keep, w, torch.zeros_like(w))
         ids = torch.where(keep, ids, torch.full_like(ids, -1))
-        return Routing(weights=_renorm(w, self.renorm), ids=ids)
+        return Routing(weights=_renorm(w, self.renorm), ids=ids, may_pad=True)
 
     def _velocity(self, layer: int, logits: torch.Tensor, x: torch.Tensor, batch: GatingBatch) -> Routing:
         cfg, st = self.cfg, self.state
@@ -411,7 +438,7 @@ class GatingRouter:
         shared = None
         if self.has_shared:
             shared = torch.where(slow, 1 + cfg.velocity_shared_boost, 1.0).float()
-        return Routing(weights=w, ids=ids, shared_scale=shared)
+        return Routing(weights=w, ids=ids, shared_scale=shared, may_pad=True)
 
     def _sticky(self, layer: int, logits: torch.Tensor, batch: GatingBatch) -> Routing:
         T, K = logits.shape[0], self.K
@@ -428,6 +455,7 @@ class GatingRouter:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         """{"policy", "thrash": [L] (nan: no pairs), "bias_absmax", "policy_tokens", "experts_per_token"}."""
+        self.state.flush()
         routed = sum(self.policy_tokens.values())
         return {"policy": self.cfg.policy, "thrash": self.state.thrash(),
                 "bias_absmax": float(self.bias.abs().max()) if self.bias.numel() else 0.0,
