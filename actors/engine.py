@@ -22,7 +22,7 @@ from actors.dispatch import AllToAllDispatcher, ExpertPlacement
 from actors.kv_cache import PagedKVCache
 from actors.messages import GenerateRequest, TokenOutput
 from actors.model import MoEModel
-from actors.sampling import SamplingParams, sample
+from actors.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.scheduler import Scheduler, Sequence
 from actors.weights import load_rank_weights
 from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
@@ -222,12 +222,19 @@ class RankEngine:
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest) -> None:
-        params_d = dict(req.params)
-        kv_profile = params_d.pop("kv_profile", None)  # a profile name, "auto", or None (engine default)
-        params = SamplingParams.from_dict(params_d)
+        """Queue one request (any thread). `params.kv_profile` picks the sequence's KV quantization profile
+        (None: the engine's `kv_profile`; "auto": by the prompt text); the choice holds until it finishes.
+
+        Raises:
+            ValueError: bad sampling params; `kv_profile` not loaded, or a named one on a full-precision cache.
+        """
+        params = SamplingParams.from_dict(req.params)
         if hasattr(self.cache, "choose_profile"):
-            self._kv_profile_of[req.request_id] = self.cache.choose_profile(
-                kv_profile, self.tokenizer.decode(list(req.prompt_ids)))
+            auto = (params.kv_profile or self.cache.default_profile) == KV_PROFILE_AUTO
+            text = self.tokenizer.decode(list(req.prompt_ids)) if auto else None  # only `auto` reads the text
+            self._kv_profile_of[req.request_id] = self.cache.choose_profile(params.kv_profile, text)
+        elif params.kv_profile not in (None, KV_PROFILE_AUTO):
+            raise ValueError(f"kv_profile={params.kv_profile!r} needs a quantized KV cache (kv_bits is unset)")
         gen = None
         if params.temperature > 0:
             gen = torch.Generator()
@@ -403,8 +410,10 @@ class RankEngine:
             self.cache.allocator.free_all(blocks)
 
     def stats(self) -> dict:
+        """This rank's counters; `kv_memory` (bytes, blocks, effective bits: the cache's `memory_stats()`) only
+        when the KV cache reports it (the quantized cache does)."""
         a = self.cache.allocator
-        return {
+        out = {
             "rank": self.rank,
             "expert_load": self.model.expert_load.tolist(),
             "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_free,
@@ -412,3 +421,11 @@ class RankEngine:
             "comm_s": self.dispatcher.comm_s, **self.timing,
             "routing": self.model.gating_router.stats(),
         }
+        if hasattr(self.cache, "memory_stats"):
+            for _ in range(3):  # the step thread may add or drop a sequence mid-read: read again
+                try:
+                    out["kv_memory"] = self.cache.memory_stats()
+                    break
+                except RuntimeError:
+                    continue
+        return out

@@ -4,6 +4,8 @@ Shape legend: B = sequences sampled this step, V = vocab.
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -11,6 +13,47 @@ import torch
 from router_service.routing.gating import POLICIES
 
 MAX_STOP_STRINGS = 16
+# KV quantization profile names a request may give: the calibration domain ("prose", "code") or "auto".
+# No path separators, so a request can only pick among the profiles the ranks loaded, never name a file.
+KV_PROFILE_AUTO = "auto"  # == actors.kv_profiles.AUTO (not imported: that module pulls in the kernels)
+MAX_KV_PROFILE_LEN = 64
+_KV_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def check_kv_profile_name(value) -> None:
+    """Check the form of a request's `kv_profile` (None passes): a string of 1-64 letters, digits, `_`, `-`,
+    `.`, starting with a letter or digit. Whether the cluster serves that profile is `check_kv_profile`'s job.
+
+    Raises:
+        ValueError: naming `kv_profile`, the value (shortened) and the rule.
+    """
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"kv_profile={value!r:.80} must be a string (a profile name or 'auto'), "
+                         f"not {type(value).__name__}")
+    if len(value) > MAX_KV_PROFILE_LEN or not _KV_PROFILE_NAME.fullmatch(value):
+        raise ValueError(f"kv_profile={value!r:.80} must be a profile name of 1-{MAX_KV_PROFILE_LEN} letters, "
+                         "digits, '_', '-' or '.', starting with a letter or digit (e.g. 'prose', 'code', 'auto')")
+
+
+@functools.lru_cache(maxsize=16)
+def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | None = None) -> tuple[str, ...]:
+    """Names of the KV quantization profiles ranks started with (`kv_bits`, `kv_profile` engine options) load.
+
+    Resolved exactly as the ranks resolve them (`actors.kv_profiles.load_profiles`, same model folder and
+    options), once per argument tuple (the profiles are a few KiB per layer). Returns () for a full-precision
+    KV cache (`kv_bits` None).
+
+    Raises:
+        ValueError: the options name no loadable profile (the ranks would have failed to start, too).
+    """
+    if kv_bits is None:
+        return ()
+    from actors.kv_profiles import load_profiles
+
+    profiles, _ = load_profiles(model_dir, kv_bits, kv_profile)
+    return tuple(sorted(profiles))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -22,6 +65,10 @@ class SamplingParams:
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
     it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
     gating: this request's gating policy (`router_service.routing.gating.POLICIES`), None = the deployment's.
+    kv_profile: this request's KV quantization profile (a calibrated profile name such as "prose" or "code", or
+    "auto": chosen from the prompt text by `actors.kv_profiles.choose_profile`); None = the deployment's
+    default (`--kv-profile`). Only a quantized KV cache (`--kv-bits`) has profiles: there, a name the ranks did
+    not load is an error; on a full-precision cache any name but "auto" is an error (`check_kv_profile`).
 
     Raises:
         ValueError: naming the field, its value and the allowed range.
@@ -36,10 +83,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     gating: str | None = None
+    kv_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.gating is not None and self.gating not in POLICIES:
             raise ValueError(f"gating={self.gating!r} must be one of {', '.join(POLICIES)}")
+        check_kv_profile_name(self.kv_profile)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not (self.temperature == self.temperature) or not 0.0 <= self.temperature <= 100.0:
@@ -56,6 +105,28 @@ class SamplingParams:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+
+    def check_kv_profile(self, model_dir: str, engine_options: dict) -> None:
+        """Check `kv_profile` against the profiles a cluster serves (`model_dir` and its ranks' `engine_options`,
+        i.e. `kv_bits` and the default `kv_profile`); None always passes.
+
+        Raises:
+            ValueError: `kv_profile=...` is not served (names the served profiles), or names a profile while the
+                KV cache is full precision ("auto" is accepted there and does nothing).
+        """
+        name = self.kv_profile
+        if name is None:
+            return
+        bits = engine_options.get("kv_bits")
+        served = served_kv_profiles(model_dir, bits, engine_options.get("kv_profile"))
+        if bits is None:
+            if name != KV_PROFILE_AUTO:
+                raise ValueError(f"kv_profile={name!r} needs a quantized KV cache; this deployment keeps the KV "
+                                 "cache in full precision (start it with --kv-bits 2, 3 or 4), so only null or "
+                                 "'auto' is accepted")
+            return
+        if name != KV_PROFILE_AUTO and name not in served:
+            raise ValueError(f"kv_profile={name!r} is not served; available: {', '.join(served)} or auto")
 
     def to_dict(self) -> dict:
         return asdict(self)

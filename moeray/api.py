@@ -6,7 +6,7 @@ import os
 
 import ray
 
-from actors.sampling import SamplingParams
+from actors.sampling import SamplingParams, served_kv_profiles
 from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
 from router_service.router import RequestOutput, RequestStream, Router
@@ -22,17 +22,26 @@ class LLM:
         ranks: EP world size (default 2 on CPU, one per GPU on CUDA).
         address: Ray cluster address; else RAY_ADDRESS; else a private local Ray is started and
             stopped by `shutdown()`.
+        kv_bits: quantize the KV cache to 2, 3 or 4 bits per element (None: full precision); shorthand for
+            `engine_options={"kv_bits": ...}`.
+        kv_profile: the deployment's default KV quantization profile (a name in `<model>/kv_profiles`, "auto",
+            a profile path or folder; None: "auto"). A request's `SamplingParams.kv_profile` overrides it for that
+            request (`kv_profiles` lists the names a request may give).
         **cluster_kw: any `ClusterConfig` field (dtype, max_model_len, max_num_seqs, kv_cache_bytes, ...).
     Raises:
         ValueError: bad configuration (names the field). TimeoutError: ranks cannot be placed.
     """
 
     def __init__(self, model: str | None = None, ranks: int | None = None, address: str | None = None,
-                 max_queue: int = 1024, **cluster_kw):
+                 max_queue: int = 1024, kv_bits: int | None = None, kv_profile: str | None = None, **cluster_kw):
         if model is not None:
             cluster_kw["model"] = model
         if ranks is not None:
             cluster_kw["ranks"] = ranks
+        if kv_bits is not None or kv_profile is not None:
+            opts = dict(cluster_kw.get("engine_options") or {})
+            opts.update({k: v for k, v in (("kv_bits", kv_bits), ("kv_profile", kv_profile)) if v is not None})
+            cluster_kw["engine_options"] = opts
         self.config = ClusterConfig.auto(**{k: v for k, v in cluster_kw.items() if v is not None})
         self._started_ray = False
         if not ray.is_initialized():
@@ -51,9 +60,17 @@ class LLM:
             raise
         self.router = Router(self.cluster, max_queue=max_queue)
 
+    @property
+    def kv_profiles(self) -> tuple[str, ...]:
+        """KV quantization profile names a request may put in `SamplingParams.kv_profile` (besides "auto");
+        () when the KV cache is full precision."""
+        opts = self.config.engine_options
+        return served_kv_profiles(self.config.model, opts.get("kv_bits"), opts.get("kv_profile"))
+
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for each prompt (a string or a list of token ids), in order. A rejected prompt
-        gets `finish_reason == "error"` with the reason; the others are served."""
+        """Generate for each prompt (a string or a list of token ids), in order. A rejected prompt (e.g. a
+        `kv_profile` the cluster does not serve) gets `finish_reason == "error"` with the reason; the others
+        are served."""
         if isinstance(prompts, str):
             prompts = [prompts]
         return self.router.generate(prompts, params or SamplingParams())

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.sampling import MAX_STOP_STRINGS, SamplingParams
+from actors.sampling import MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
 from router_service.routing.gating import POLICIES
 
 MAX_N = 8  # completions per prompt at most (`n`)
@@ -28,8 +28,8 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI names; vLLM-style extensions
-    `top_k`, `ignore_eos`, `stop_token_ids`; moeray's `gating`: this request's gating policy). Unknown fields
-    are ignored, as OpenAI clients send many."""
+    `top_k`, `ignore_eos`, `stop_token_ids`; moeray's `gating`: this request's gating policy, and `kv_profile`:
+    its KV quantization profile). Unknown fields are ignored, as OpenAI clients send many."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -46,6 +46,9 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=0, lt=MAX_SEED)
     ignore_eos: bool = False
     gating: str | None = Field(None, description=f"gating policy ({', '.join(POLICIES)}); null = the deployment's")
+    kv_profile: str | None = Field(None, description="KV quantization profile of this request (a served profile name "
+                                   "such as prose or code, or auto: chosen from the prompt); null = the deployment's "
+                                   "default. A name needs a quantized KV cache (--kv-bits); unknown names get 400")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     logprobs: bool | int | None = Field(None, description="not supported: only null / false / 0")
@@ -63,6 +66,12 @@ class SamplingFields(BaseModel):
     def _gating(cls, v):
         if v is not None and v not in POLICIES:
             raise ValueError(f"gating={v!r} must be one of {', '.join(POLICIES)}")
+        return v
+
+    @field_validator("kv_profile")
+    @classmethod
+    def _kv_profile(cls, v):
+        check_kv_profile_name(v)  # the form only; whether it is served is checked by the router
         return v
 
     @field_validator("stop")
@@ -86,7 +95,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
                               seed=None if self.seed is None else (self.seed + index) % MAX_SEED,
                               stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, gating=self.gating)
+                              ignore_eos=self.ignore_eos, gating=self.gating, kv_profile=self.kv_profile)
 
 
 class CompletionRequest(SamplingFields):
