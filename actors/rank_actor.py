@@ -116,9 +116,15 @@ class RankWorker:
             self._thread.join(timeout=30)
 
     def poll(self, timeout_s: float = 1.0) -> bytes:
-        """Block up to `timeout_s` for new outputs; returns msgpack (see `actors.messages`)."""
+        """Block up to `timeout_s` for new outputs; returns msgpack (see `actors.messages`).
+
+        Raises RuntimeError (the failure) once this rank's loop has failed and its last outputs (the error
+        outputs of its sequences) were delivered: the router then rebuilds the EP group.
+        """
         with self._out_cond:
             if not self._outbox:
+                if self._failed is not None:
+                    raise RuntimeError(self._failed)
                 self._out_cond.wait(timeout=timeout_s)
             out, self._outbox = self._outbox, []
         return encode_outputs(out)
@@ -248,5 +254,6 @@ class RankWorker:
         outs = []
         for s in seqs:
             eng.scheduler.abort(s.request_id)
+            eng._release(s.request_id)
             outs.append(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
         self._emit(outs)

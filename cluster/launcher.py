@@ -41,18 +41,9 @@ class EPCluster:
             remove_placement_group(self.pg)
             raise TimeoutError(f"placement group of {cfg.ranks} x {bundle} not schedulable within {timeout_s}s "
                                f"(cluster resources: {ray.cluster_resources()})")
-        actor_cls = ray.remote(RankWorker)
-        self.ranks = [
-            actor_cls.options(
-                num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
-            ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank)
-            for i in range(cfg.ranks)
-        ]
-        # every actor process up before the rendezvous starts
-        addr, port = ray.get([r.node_address.remote() for r in self.ranks], timeout=timeout_s)[0]
-        self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s) for r in self.ranks],
-                            timeout=timeout_s)
+        self.ranks: list = []
+        self.generation = 0
+        self._spawn(timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
         # sliding window of expert load: (monotonic time s, cumulative [L][E] summed over ranks) snapshots,
         # taken by every stats() / sample_load() / rebalance() call; the first is all zeros (cluster start)
@@ -61,6 +52,60 @@ class EPCluster:
         self._placement_epoch = 0
         self._rebalance_lock = threading.Lock()
         log.info("EP group up: %d ranks, %s, %d KV blocks per rank", cfg.ranks, cfg.backend, self.kv_blocks_per_rank)
+
+    def _spawn(self, timeout_s: float) -> None:
+        """Start one RankWorker per bundle of `self.pg` under the current placement and join them in a new
+        process group (a fresh rendezvous port each time)."""
+        cfg = self.cfg
+        actor_cls = ray.remote(RankWorker)
+        self.ranks = [
+            actor_cls.options(
+                num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+            ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank)
+            for i in range(cfg.ranks)
+        ]
+        try:
+            # every actor process up before the rendezvous starts
+            addr, port = ray.get([r.node_address.remote() for r in self.ranks], timeout=timeout_s)[0]
+            self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s) for r in self.ranks],
+                                timeout=timeout_s)
+        except BaseException:
+            self._kill_ranks()
+            raise
+
+    def _kill_ranks(self) -> None:
+        for r in self.ranks:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def restart(self, timeout_s: float = 60.0) -> float:
+        """Tear the whole EP group down and bring up a new one: every rank joins every all-to-all, so one
+        dead rank leaves the others unable to step. Kills every rank actor (the survivors may be blocked in a
+        collective until the process-group timeout, so they are not asked), starts new actors in the same
+        placement-group bundles (the placement group is recreated if it is gone) with the current expert
+        placement, and joins them in a new process group. KV caches and in-flight sequences are lost: the
+        caller fails them first. Returns the seconds taken.
+
+        Raises:
+            TimeoutError: the placement group or the new ranks are not ready within `timeout_s`.
+            ray.exceptions.RayActorError: a new rank failed during setup.
+        """
+        t0 = time.perf_counter()
+        self._kill_ranks()
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise TimeoutError(f"placement group not ready within {timeout_s}s after a rank failure")
+        self._spawn(timeout_s)
+        self.generation += 1
+        # the new ranks count expert load from zero: restart the cumulative snapshots with them
+        mc = self.model_config
+        self._load_snaps.clear()
+        self._load_snaps.append((time.monotonic(), [[0] * mc.num_experts for _ in range(mc.num_layers)]))
+        log.warning("EP group rebuilt (generation %d) in %.1f s", self.generation, time.perf_counter() - t0)
+        return time.perf_counter() - t0
 
     def stats(self) -> dict:
         """Cluster snapshot: per-rank stats and aggregated expert load (see `cluster.metrics`)."""
@@ -151,6 +196,5 @@ class EPCluster:
             ray.get([r.shutdown.remote(seq) for r in self.ranks], timeout=30)
         except Exception as e:  # noqa: BLE001 - best effort; actors are killed below anyway
             log.warning("rank shutdown: %s", e)
-        for r in self.ranks:
-            ray.kill(r)
+        self._kill_ranks()
         remove_placement_group(self.pg)

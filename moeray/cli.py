@@ -31,7 +31,8 @@ def _add_generate(sub) -> None:
                    help="quantize the KV cache to this many bits per element (default: full precision)")
     p.add_argument("--kv-profile", default=None,
                    help="KV quantization profile: a name in <model>/kv_profiles (prose, code), 'auto' (per prompt), "
-                        "a profile .safetensors path, or a folder of profiles")
+                        "a profile .safetensors path, or a folder of profiles; the deployment default, which a request "
+                        "overrides with its own kv_profile field")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")

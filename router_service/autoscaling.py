@@ -275,8 +275,7 @@ class ReplicaSignals:
     def collect(self, router) -> dict[str, float]:
         """{IN_FLIGHT, ITL_P95_MS, BALANCEDNESS} of `router` (a `router_service.router.Router`). A failed
         rank-stats call keeps the last balancedness."""
-        with router._lock:
-            streams = list(router._streams.values())
+        streams = router.streams()
         depth = len(streams)
         # the tail is enough for the window and bounds the copy (256 streams x 1024 tokens otherwise)
         itl = itl_p95_ms([(s.t0, s.out.token_times[-256:]) for s in streams], time.perf_counter(), self.window_s)

@@ -64,7 +64,7 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         InvalidRequestError: naming the field, its value and the allowed range.
     """
     kw: dict = {}
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating"):
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating", "kv_profile"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     kw["stop"] = list(sp.stop)
@@ -77,9 +77,7 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
 
 
 def is_in_flight(router: Router, request_id: str) -> bool:
-    # The router has no public lookup by id; its stream table is the source of truth.
-    with router._lock:
-        return request_id in router._streams
+    return router.get_stream(request_id) is not None
 
 
 def api_key_ok(expected: str | None, presented: str | None) -> bool:
@@ -150,7 +148,7 @@ class MoerayServicer(pb_grpc.MoerayServicer):
         try:
             while True:
                 try:
-                    o: TokenOutput = stream.q.get(timeout=_LIVENESS_S)
+                    o: TokenOutput = stream.get(timeout=_LIVENESS_S)
                 except queue.Empty:
                     if not context.is_active():
                         return
@@ -187,8 +185,8 @@ class MoerayServicer(pb_grpc.MoerayServicer):
         return pb.CancelResponse(found=found)
 
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
-        ranks = self.router.cluster.health()
-        ok = all(r.get("ok") for r in ranks)
+        h = self.router.health()
+        ranks, ok = h["ranks"], h["ok"]
         return pb.HealthResponse(
             status=pb.HealthResponse.STATUS_SERVING if ok else pb.HealthResponse.STATUS_NOT_SERVING,
             ranks=[pb.RankHealth(rank=r["rank"], ok=bool(r.get("ok")), error=r.get("error") or "") for r in ranks])

@@ -2,6 +2,14 @@
 
 One poller thread per rank long-polls `RankWorker.poll` and routes each `TokenOutput` to its
 request's stream. A request's stream ends with exactly one output whose `finish_reason` is set.
+
+Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
+any poller finds its rank dead (the actor is gone) or failed (its loop raised, e.g. a collective timed out
+after the process-group timeout of at most 10 s), the router (1) refuses new requests with a retriable
+`EngineError` (HTTP 503 / gRPC UNAVAILABLE), (2) ends every in-flight request at once with
+`finish_reason="error"` (retriable: 503 / UNAVAILABLE at the front doors), (3) kills every rank and starts a new
+EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up, and (4) serves again.
+Pollers belong to one cluster generation and exit when it ends.
 """
 from __future__ import annotations
 
@@ -51,6 +59,13 @@ class RequestStream:
         self.t0 = time.perf_counter()
         self.cost = cost
         self.done = threading.Event()
+        # a cancel that arrives while the rank is still taking the request is replayed once it has it
+        self.admitted = False
+        self.abort_pending = False
+
+    def get(self, timeout: float | None = None) -> TokenOutput:
+        """The next output (blocking up to `timeout` s). Raises queue.Empty on timeout."""
+        return self.q.get(timeout=timeout)
 
     def _push(self, o: TokenOutput) -> None:
         now = time.perf_counter() - self.t0
@@ -104,8 +119,15 @@ class Router:
         self._streams: dict[str, RequestStream] = {}
         self._rank_cost = [0] * self.cfg.ranks
         self._closed = False
-        self._pollers = [threading.Thread(target=self._poll_rank, args=(i,), daemon=True, name=f"poll-rank{i}")
-                         for i in range(self.cfg.ranks)]
+        self._gen = 0  # cluster generation: pollers of an older one exit
+        self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
+        self._recovering_since = 0.0  # time.monotonic() when it started
+        self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
+        self._start_pollers()
+
+    def _start_pollers(self) -> None:
+        self._pollers = [threading.Thread(target=self._poll_rank, args=(i, self._gen), daemon=True,
+                                          name=f"poll-rank{i}-g{self._gen}") for i in range(self.cfg.ranks)]
         for t in self._pollers:
             t.start()
 
@@ -128,6 +150,10 @@ class Router:
         if len(ids) + params.max_tokens > L:
             raise InvalidRequestError("max_tokens", f"max_tokens={params.max_tokens} exceeds the context window "
                                                     f"({L} - {len(ids)} prompt tokens = {L - len(ids)})")
+        try:  # against the KV profiles the ranks loaded (same model folder and engine options; cached)
+            params.check_kv_profile(self.cfg.model, self.cfg.engine_options)
+        except ValueError as e:
+            raise InvalidRequestError("kv_profile", str(e)) from e
         return ids
 
     # ------------------------------------------------------------------ requests
@@ -138,6 +164,8 @@ class Router:
         with self._lock:
             if self._closed:
                 raise EngineError("router is shut down")
+            if self._recovering is not None:
+                raise EngineError(f"the EP group is being rebuilt after a rank failure ({self._recovering}); retry")
             if len(self._streams) >= self.max_queue:
                 raise OverloadedError(f"{len(self._streams)} requests in flight; the queue limit is {self.max_queue}")
             if rid in self._streams:
@@ -153,7 +181,12 @@ class Router:
         except Exception as e:  # noqa: BLE001
             self._finish(rid)
             raise EngineError(f"rank {rank} refused the request: {e}") from e
+        with self._lock:
+            stream.admitted = True
+            pending = stream.abort_pending
         self._wake_others(rank, seq)
+        if pending:
+            self.abort(rid)
         return stream
 
     def _wake_others(self, rank: int | None, seq: int) -> None:
@@ -165,6 +198,9 @@ class Router:
         with self._lock:
             stream = self._streams.get(request_id)
             seq = next(self._seq)
+            if stream is not None and not stream.admitted:  # the rank may not know it yet: cancel once it does
+                stream.abort_pending = True
+                return
         if stream is None:
             return
         self.cluster.ranks[stream.rank].abort.remote(request_id, seq)
@@ -177,17 +213,15 @@ class Router:
                 self._rank_cost[stream.rank] -= stream.cost
         return stream
 
-    def _poll_rank(self, rank: int) -> None:
+    def _poll_rank(self, rank: int, gen: int) -> None:
         actor = self.cluster.ranks[rank]
-        while not self._closed:
+        while not self._closed and gen == self._gen:
             try:
                 outs = decode_outputs(ray.get(actor.poll.remote(1.0), timeout=60))
-            except Exception as e:  # noqa: BLE001 - the rank died: fail what it held
-                if self._closed:
-                    return
-                self._fail_rank(rank, f"rank {rank} unreachable: {type(e).__name__}: {e}")
-                time.sleep(0.5)
-                continue
+            except Exception as e:  # noqa: BLE001 - the rank died or failed: rebuild the group
+                if not self._closed:
+                    self._on_rank_failure(gen, f"rank {rank} unreachable: {type(e).__name__}: {e}")
+                return
             for o in outs:
                 with self._lock:
                     stream = self._streams.get(o.request_id)
@@ -197,12 +231,72 @@ class Router:
                 if o.finish_reason is not None:
                     self._finish(o.request_id)
 
-    def _fail_rank(self, rank: int, err: str) -> None:
+    def _fail_rank(self, rank: int | None, err: str) -> int:
+        """End every in-flight request on `rank` (None: on every rank) with `finish_reason="error"`.
+        Returns how many were ended."""
         with self._lock:
-            victims = [s for s in self._streams.values() if s.rank == rank]
+            victims = [s for s in self._streams.values() if rank is None or s.rank == rank]
         for s in victims:
             s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
             self._finish(s.request_id)
+        return len(victims)
+
+    def _on_rank_failure(self, gen: int, reason: str) -> None:
+        """First report of a failure in generation `gen`: fail everything in flight, rebuild in the background.
+        Later reports of the same generation (the other ranks' pollers) are ignored."""
+        with self._lock:
+            if gen != self._gen or self._closed:
+                return
+            self._gen += 1
+            self._recovering = reason
+            self._recovering_since = t0 = time.monotonic()
+        log.error("%s: failing in-flight requests and rebuilding the EP group", reason)
+        n = self._fail_rank(None, f"{reason}; the EP group is being rebuilt, retry the request")
+        threading.Thread(target=self._rebuild, args=(reason, n, t0), daemon=True, name="ep-rebuild").start()
+
+    def _rebuild(self, reason: str, failed: int, t0: float) -> None:
+        attempt = 0
+        while not self._closed:
+            attempt += 1
+            try:
+                self.cluster.restart()
+                break
+            except Exception as e:  # noqa: BLE001 - keep trying: the alternative is a manual restart
+                log.error("EP group rebuild attempt %d failed: %s: %s", attempt, type(e).__name__, e)
+                time.sleep(min(2.0 * attempt, 10.0))
+        with self._lock:
+            if self._closed:
+                return
+            self._rank_cost = [0] * self.cfg.ranks
+            self._recovering = None
+            self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
+                                    "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
+            self._start_pollers()
+        log.warning("EP group serving again after %.1f s (%d attempts)", time.monotonic() - t0, attempt)
+
+    # ------------------------------------------------------------------ lookups (front doors, metrics)
+    def get_stream(self, request_id: str) -> RequestStream | None:
+        """The in-flight request `request_id`, or None if unknown or finished."""
+        with self._lock:
+            return self._streams.get(request_id)
+
+    def streams(self) -> list[RequestStream]:
+        """A snapshot of the in-flight requests."""
+        with self._lock:
+            return list(self._streams.values())
+
+    def health(self) -> dict:
+        """{ok, status ("ok" | "recovering" | "unhealthy"), ranks: [{rank, ok, error}], recoveries (count),
+        recovering_s (seconds since the failure, while recovering)}.
+        While the EP group is rebuilt, `ranks` is empty and `status` is "recovering" (the replica is alive)."""
+        with self._lock:
+            recovering, since = self._recovering, self._recovering_since
+        if recovering is not None:
+            return {"ok": False, "status": "recovering", "error": recovering, "ranks": [],
+                    "recovering_s": time.monotonic() - since, "recoveries": len(self.recoveries)}
+        ranks = self.cluster.health()
+        ok = all(r.get("ok") for r in ranks)
+        return {"ok": ok, "status": "ok" if ok else "unhealthy", "ranks": ranks, "recoveries": len(self.recoveries)}
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Submit all prompts, wait for all; a bad prompt yields an `error` output, the rest go on."""
@@ -221,12 +315,18 @@ class Router:
             return len(self._streams)
 
     def stats(self) -> dict:
+        """Cluster stats (see `cluster.metrics`) plus `in_flight` and `recoveries`.
+        Raises EngineError while the EP group is being rebuilt."""
+        if self._recovering is not None:
+            raise EngineError(f"the EP group is being rebuilt ({self._recovering})")
         s = self.cluster.stats()
+        s["recoveries"] = len(self.recoveries)
         s["in_flight"] = self.in_flight
         return s
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:
+            self._closed = True
         seq = next(self._seq)
         self.cluster.shutdown(seq)
         for t in self._pollers:

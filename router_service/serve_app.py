@@ -4,7 +4,7 @@ the EP cluster.
 Routes (see `router_service.http_models` for the request fields and their limits):
   POST /v1/completions, POST /v1/chat/completions  JSON, or SSE with `"stream": true` (the last event
       before `data: [DONE]` carries `usage`, `choices: []`; turn it off with `stream_options.include_usage`)
-  GET /v1/models, GET /health (200, or 503 if a rank is down), GET /metrics (Prometheus text)
+  GET /v1/models, GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
 Status codes: 400 bad input (`error.param` names the field, `error.message` the value and the limit),
 401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
 limit reached (at once, with `Retry-After`) or a rank failed. A client that disconnects mid-stream
@@ -282,9 +282,8 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
 
     @app.get("/health")
     async def health():
-        ranks = await asyncio.get_running_loop().run_in_executor(None, router.cluster.health)
-        ok = all(r.get("ok") for r in ranks)
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "ranks": ranks}, status_code=200 if ok else 503)
+        h = await asyncio.get_running_loop().run_in_executor(None, router.health)
+        return JSONResponse(h, status_code=200 if h["ok"] else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -439,10 +438,12 @@ if serve is not None:
             return create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key)
 
         def check_health(self) -> None:
-            """Serve's replica health check: unhealthy if any rank failed (Serve then replaces the replica)."""
-            bad = [r for r in self.router.cluster.health() if not r.get("ok")]
-            if bad:
-                raise RuntimeError(f"ranks unhealthy: {bad}")
+            """Serve's replica health check. The router rebuilds a failed EP group itself (see
+            `router_service.router`), so the replica stays healthy while it does; it is reported unhealthy
+            (and Serve replaces it) only if the rebuild has not succeeded within 120 s."""
+            h = self.router.health()
+            if h["status"] == "recovering" and h["recovering_s"] > 120:
+                raise RuntimeError(f"EP group not rebuilt after {h['recovering_s']:.0f} s: {h['error']}")
 
         async def record_autoscaling_stats(self) -> dict[str, float]:
             """Serve's custom-metrics hook (polled every look_back_period_s / 5): queue depth, ITL p95 (ms)

@@ -241,9 +241,11 @@ def test_replica_side_signals():
 
     class FakeRouter:
         def __init__(self):
-            self._lock = threading.Lock()
             self._streams = {"a": Stream(time.perf_counter() - 1.0, [0.5, 0.55, 0.6])}
             self.load = [[100, 100], [100, 100]]
+
+        def streams(self):
+            return list(self._streams.values())
 
         def stats(self):
             return {"rank_load": [list(r) for r in self.load]}
