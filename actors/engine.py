@@ -53,6 +53,9 @@ class EngineConfig:
     weight_group_size: int = 64
     expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: all)
     prefetch: str = "none"  # expert prefetch predictor name
+    # packed experts per layer kept in memory (None: all); fewer are read on demand from the memory-mapped
+    # packed checkpoint (the cold tier, actors.expert_store.ColdExpertTier)
+    resident_experts: int | None = None
     # gating policy of the deployment (router_service.routing.gating.POLICIES) and its knobs (GatingConfig)
     gating: str = "exact"
     gating_options: dict | None = None
@@ -67,6 +70,8 @@ class EngineConfig:
             b = getattr(self, name)
             if b is not None and b not in (2, 3, 4):
                 raise ValueError(f"{name}={b} must be 2, 3 or 4 (or unset for full precision)")
+        if self.resident_experts is not None and self.resident_experts < 1:
+            raise ValueError(f"resident_experts={self.resident_experts} must be >= 1 (or unset: all resident)")
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

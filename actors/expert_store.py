@@ -5,7 +5,8 @@ E = routed experts of a layer (global), E_loc = this rank's experts of a layer, 
 K = experts per token, B = prediction budget per token.
 
 Per MoE layer the rank keeps
-  * its E_loc experts packed (`kernels.packed_weights.PackedExperts`, fused gate_up), always resident;
+  * its E_loc experts packed (`kernels.packed_weights.PackedExperts`, fused gate_up), resident (all of them,
+    unless the cold tier below is on);
   * an `ExpertCache` of up to C_loc of them dequantized in the compute dtype (C experts per layer overall,
     C_loc = ceil(C * E_loc / E) on this rank).
 A layer call (`PackedLayerExperts`, the `actors.experts.LocalExperts` contract) serves each expert it needs
@@ -15,6 +16,20 @@ load: experts become ready only through a `PrefetchWorker` thread, which fills t
 predictor expects at the next layer (and, after a miss, with the missed expert), overlapping the current
 layer's compute. Both paths compute the same function of the same dequantized weights, so they agree to fp32
 rounding (the tests check relative error < 1e-5 and identical greedy tokens at C = E and C = E / 4).
+
+Cold tier (`resident_experts` = P < E, packed checkpoints only; for models whose packed experts exceed memory):
+a layer keeps only P_loc = ceil(P * E_loc / E) packed experts resident, in a preallocated slot stack
+(`ColdExpertTier`), and reads the others from the memory-mapped safetensors file (`PackedExpertReader`).
+What a cache miss costs, by where the expert's packed bytes are:
+  * resident in a slot: nothing extra; the fused dequant path runs on the slot (as above).
+  * being read by the prefetch worker: the layer waits for that read (the bytes are on their way; reading them
+    twice would only add traffic) and then runs the fused path.
+  * only in the file (a cold miss): the layer reads that expert's bytes (a copy of just that expert's rows of each packed
+    stack out of the map, the least any scheme must do) into a slot, evicting an unpinned one by the cache's policy, and runs
+    the fused path on it. It never waits for a dequantized-cache fill or for other experts' reads.
+The prefetch worker reads the predicted experts that the dequantized cache does not take into the slots ahead
+of their layer, so a good prediction turns cold misses into resident hits. Both paths still compute the same
+function of the same packed bytes: results equal the all-resident store to fp32 rounding.
 
 Hooks (`ExpertRuntime.attach`): the model calls `on_hidden(l, h)` before each FFN and `on_route(l, ids)`
 after each gate; the runtime learns the routing online (Markov counts), predicts the next MoE layer's experts
@@ -38,7 +53,12 @@ import torch
 import torch.nn.functional as F
 
 from actors.config import ModelConfig
-from actors.packed_checkpoint import is_packed_checkpoint, load_packed_experts, read_quant_config
+from actors.packed_checkpoint import (
+    PackedExpertReader,
+    is_packed_checkpoint,
+    load_packed_experts,
+    read_quant_config,
+)
 from kernels.packed_weights import PackedExperts, quantize
 from router_service.routing.prefetch import (
     DEFAULT_PREDICTOR,
@@ -81,6 +101,17 @@ def _kernel_ops(backend: str):
     else:
         raise ValueError(f"kernel_backend={backend!r} must be torch or triton")
     return k.packed_expert_ffn, k.dequantize
+
+
+def _pick_victim(policy: str, cands: list[int], last: list[int], uses: list[int], score: list[float]) -> int | None:
+    """The candidate to evict under `policy` (lru / lfu / predicted, ties broken by LRU); None if no candidate."""
+    if not cands:
+        return None
+    if policy == "lru":
+        return min(cands, key=lambda e: last[e])
+    if policy == "lfu":
+        return min(cands, key=lambda e: (uses[e], last[e]))
+    return min(cands, key=lambda e: (score[e], last[e]))
 
 
 class ExpertCache:
@@ -134,15 +165,16 @@ class ExpertCache:
         with self._lock:
             self._score = [float(scores.get(e, 0.0)) for e in range(self.num_experts)]
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the dequantized entries held now (compute dtype)."""
+        with self._lock:
+            return sum(t.numel() * t.element_size() for w in self._ready.values() for t in w
+                       if isinstance(t, torch.Tensor))
+
     def _victim(self, exclude: set[int]) -> int | None:
-        cands = [e for e in self._ready if e not in exclude]
-        if not cands:
-            return None
-        if self.policy == "lru":
-            return min(cands, key=lambda e: self._last[e])
-        if self.policy == "lfu":
-            return min(cands, key=lambda e: (self._uses[e], self._last[e]))
-        return min(cands, key=lambda e: (self._score[e], self._last[e]))
+        return _pick_victim(self.policy, [e for e in self._ready if e not in exclude], self._last, self._uses,
+                            self._score)
 
     def _admit(self, e: int, protect: set[int], speculative: bool) -> bool:
         if len(self._ready) < self.capacity:
@@ -169,6 +201,218 @@ class ExpertCache:
                 del self._ready[self._victim(protect | {e})]
             self._ready[e] = w
             return True
+
+
+class ColdExpertTier:
+    """Packed experts of one layer on this rank when they do not all fit: a bounded resident set over the
+    memory-mapped checkpoint (the cold tier).
+
+    `capacity` slots (P_loc) of a preallocated packed stack (`PackedExpertReader.empty`, on the compute device)
+    hold the resident packed experts; the others stay in the checkpoint file and are read on demand
+    (`PackedExpertReader.read_into`: only that expert's bytes are copied out of the map). The slot stack is
+    allocated once, so the bytes this tier holds never exceed `budget_bytes = capacity * expert_bytes`.
+
+    A user pins the slots it computes on (`acquire` ... `release`); only unpinned slots are evicted, by the same
+    policies as `ExpertCache` (`lru`, `lfu`, `predicted`: lowest latest predicted score; ties LRU). A freshly read
+    expert counts as just used, so a prefetched expert is not the next LRU victim before its layer runs.
+
+    Counters (`stats`): `hits` (a cache miss found its packed bytes resident), `misses` (read on demand by the
+    forward: a cold miss), `waits` (the forward needed an expert the prefetcher was reading and waited for that
+    read rather than reading the bytes twice), `prefetch_reads`, `transient_reads` (read for one use without a
+    slot: no slot was free of pins, or a dequantized-cache fill of an expert not resident), `evictions`,
+    `bytes_read`.
+
+    Args:
+        layer: layer index. local: global expert ids of this rank's experts (local id = index).
+        reader: the packed folder's PackedExpertReader. capacity: slots (1 <= capacity; capped at E_loc).
+        policy: one of EVICTION_POLICIES. device: where the slots live (the compute device).
+    Raises:
+        ValueError: capacity < 1 or unknown policy.
+    """
+
+    def __init__(self, layer: int, local: list[int], reader: PackedExpertReader, *, capacity: int, policy: str,
+                 device: torch.device | str = "cpu"):
+        if capacity < 1:
+            raise ValueError(f"resident_experts: layer {layer} would keep capacity={capacity} packed experts; "
+                             "must be >= 1")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy={policy!r} must be one of {EVICTION_POLICIES}")
+        self.layer, self.local, self.reader, self.policy = layer, list(local), reader, policy
+        self.device = torch.device(device)
+        self.num_experts = len(self.local)
+        self.capacity = min(capacity, self.num_experts)
+        self.pool = reader.empty(layer, self.capacity, self.device)  # gate_up (P, 2I, D), down (P, D, I)
+        self.expert_bytes = reader.expert_nbytes(layer)
+        self.intermediate_size = self.pool.intermediate_size
+        self._slot: dict[int, int] = {}  # local expert -> its slot, ready to read
+        self._loading: dict[int, threading.Event] = {}  # local expert -> set when its read finished
+        self._owner = [-1] * self.capacity  # slot -> local expert (-1: free)
+        self._pins = [0] * self.capacity
+        # CUDA: an event per slot recorded after the last kernels that read it were queued; a read into the slot
+        # waits for it, because pins drop when the kernels are queued, not when they finish.
+        self._read_done: list = [None] * self.capacity
+        self._last = [0] * self.num_experts
+        self._uses = [0] * self.num_experts
+        self._score = [0.0] * self.num_experts
+        self._tick = 0
+        self._lock = threading.Lock()
+        self.counters = dict.fromkeys(("hits", "misses", "waits", "prefetch_reads", "transient_reads", "evictions",
+                                       "bytes_read"), 0)
+
+    def __contains__(self, e: int) -> bool:
+        return e in self._slot
+
+    @property
+    def resident(self) -> list[int]:
+        """Local ids of the experts resident now (sorted)."""
+        with self._lock:
+            return sorted(self._slot)
+
+    @property
+    def budget_bytes(self) -> int:
+        """Bytes of the slot stack: the most this tier ever holds."""
+        return self.capacity * self.expert_bytes
+
+    def set_scores(self, scores: dict[int, float]) -> None:
+        """Latest predicted usefulness per local expert (for the `predicted` policy); others score 0."""
+        with self._lock:
+            self._score = [float(scores.get(e, 0.0)) for e in range(self.num_experts)]
+
+    def _take_slot(self, e: int, exclude: set[int], speculative: bool) -> int | None:
+        """A slot for `e` (under the lock): a free one, else the policy's victim among unpinned slots whose
+        expert is not in `exclude`; None if there is none (or, for a speculative read under `predicted`, the
+        victim scores at least as high as `e`)."""
+        if -1 in self._owner:
+            return self._owner.index(-1)
+        cands = [o for s, o in enumerate(self._owner) if self._pins[s] == 0 and o not in exclude and o in self._slot]
+        v = _pick_victim(self.policy, cands, self._last, self._uses, self._score)
+        if v is None or (speculative and self.policy == "predicted" and self._score[e] <= self._score[v]):
+            return None
+        s = self._slot.pop(v)
+        self.counters["evictions"] += 1
+        return s
+
+    def acquire(self, experts: list[int], *, demand: bool) -> dict[int, int]:
+        """Pin local `experts` in slots, reading the non-resident ones from the map; returns `{expert: slot}` for
+        those obtained (every one unless there were fewer unpinned slots than experts: the caller computes on
+        these, `release`s them and asks again for the rest).
+
+        `demand`: the forward needs them now (counts as use, a read is a cold miss); else a prefetch (reads are
+        speculative: under `predicted` they must outscore their victim).
+        """
+        got: dict[int, int] = {}
+        reads: list[tuple[int, int, threading.Event]] = []
+        waits: list[tuple[int, threading.Event]] = []
+        with self._lock:
+            self._tick += 1
+            if demand:
+                for e in experts:
+                    self._last[e] = self._tick
+                    self._uses[e] += 1
+            for e in experts:
+                if e in self._slot:
+                    s = got[e] = self._slot[e]
+                    self._pins[s] += 1
+                    self.counters["hits"] += demand
+                elif e in self._loading:
+                    waits.append((e, self._loading[e]))
+            busy = set(experts)
+            for e in experts:
+                if e in got or e in self._loading:
+                    continue
+                s = self._take_slot(e, busy, speculative=not demand)
+                if s is None:
+                    continue
+                self._owner[s], self._pins[s] = e, 1
+                ev = self._loading[e] = threading.Event()
+                reads.append((e, s, ev))
+        for i, (e, s, ev) in enumerate(reads):
+            try:
+                done = self._read_done[s]
+                if done is not None:
+                    done.synchronize()
+                n = self.reader.read_into(self.layer, self.local[e], self.pool, s)
+            except BaseException:
+                self._abandon(reads[i:])
+                self.release(got)
+                raise
+            with self._lock:
+                self._slot[e] = got[e] = s
+                self._loading.pop(e, None)
+                self._last[e] = max(self._last[e], self._tick)
+                self.counters["misses" if demand else "prefetch_reads"] += 1
+                self.counters["bytes_read"] += n
+            ev.set()
+        for e, ev in waits:
+            if demand:
+                ev.wait()
+            with self._lock:
+                s = self._slot.get(e)
+                if s is not None:
+                    self._pins[s] += 1
+                    got[e] = s
+                    self.counters["waits"] += demand
+        return got
+
+    def _abandon(self, reads: list[tuple[int, int, threading.Event]]) -> None:
+        """Free the slots of reads that did not happen (a read raised) and wake anyone waiting on them."""
+        with self._lock:
+            for e, s, _ in reads:
+                self._owner[s], self._pins[s] = -1, 0
+                self._loading.pop(e, None)
+        for _, _, ev in reads:
+            ev.set()
+
+    def release(self, got: dict[int, int]) -> None:
+        """Unpin the slots `acquire` returned (on CUDA after the current stream's queued reads of them)."""
+        done = None
+        if got and self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            for s in got.values():
+                self._pins[s] -= 1
+                if done is not None:
+                    self._read_done[s] = done
+
+    def prefetch(self, experts: list[int]) -> None:
+        """Make local `experts` resident (in priority order, as slots allow) without pinning them."""
+        self.release(self.acquire(experts, demand=False))
+
+    def read_transient(self, e: int) -> PackedExperts:
+        """Local expert `e` as a one-expert stack on the device, read from the map and kept nowhere."""
+        pe = self.reader.read_one(self.layer, self.local[e], self.device)
+        with self._lock:
+            self.counters["transient_reads"] += 1
+            self.counters["bytes_read"] += self.expert_bytes
+        return pe
+
+    def dequantized(self, e: int, deq: Callable, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w_gate_up [2I, D], w_down [D, I])` of local expert `e` in `dtype` (for the dequantized cache): from
+        its slot when resident (pinned meanwhile), else from a transient read (no slot is taken: the cache,
+        not this tier, will hold it)."""
+        with self._lock:
+            s = self._slot.get(e)
+            if s is not None:
+                self._pins[s] += 1
+        if s is None:
+            pe = self.read_transient(e)
+            return deq(pe.gate_up[0], dtype), deq(pe.down[0], dtype)
+        try:
+            return deq(self.pool.gate_up[s], dtype), deq(self.pool.down[s], dtype)
+        finally:
+            self.release({e: s})
+
+    def stats(self) -> dict:
+        """Counters (see the class docstring) plus `resident_experts`, `capacity`, `expert_bytes`,
+        `resident_bytes` (slots filled), `allocated_bytes` (the slot stack) and `budget_bytes`."""
+        with self._lock:
+            n = len(self._slot)
+            out = dict(self.counters)
+        out.update(resident_experts=n, capacity=self.capacity, expert_bytes=self.expert_bytes,
+                   resident_bytes=n * self.expert_bytes, allocated_bytes=self.pool.nbytes,
+                   budget_bytes=self.budget_bytes)
+        return out
 
 
 class PrefetchWorker:
@@ -226,19 +470,31 @@ class PrefetchWorker:
 class PackedLayerExperts:
     """The experts of one layer on this rank: packed weights + expert cache (LocalExperts contract).
 
+    With a cold tier (`tier`, packed experts not all resident) a miss runs the same fused path on the tier's
+    slot stack: the expert's packed bytes are pinned there, read from the memory-mapped checkpoint first when
+    not resident (a cold miss must read them once; the layer reads them itself rather than queueing a load).
+    When a step needs more experts than the tier has unpinned slots, they run in rounds of as many as fit.
+
     Args:
-        layer: layer index. packed: PackedExperts with fused gate_up `(E_loc, 2I, D)` (None when E_loc = 0).
+        layer: layer index. packed: PackedExperts with fused gate_up `(E_loc, 2I, D)` (None when E_loc = 0 or
+            with a cold tier). tier: the layer's ColdExpertTier (None: every packed expert resident).
         capacity: cache size C_loc. policy: eviction policy. dtype: compute dtype of cached weights.
         backend: "torch" or "triton". worker: the rank's PrefetchWorker. stats: the rank's RoutingStats.
         demand_fill: after a miss, also queue the missed expert for the cache.
+    Raises:
+        ValueError: both `packed` and `tier` given.
     """
 
     def __init__(self, layer: int, packed: PackedExperts | None, *, capacity: int, policy: str,
                  dtype: torch.dtype, backend: str, worker: PrefetchWorker, stats: RoutingStats,
-                 demand_fill: bool = True):
+                 demand_fill: bool = True, tier: ColdExpertTier | None = None):
+        if packed is not None and tier is not None:
+            raise ValueError(f"layer {layer}: give packed experts or a cold tier, not both")
         self.layer, self.packed, self.dtype, self.worker, self.stats = layer, packed, dtype, worker, stats
-        self.num_local = 0 if packed is None else packed.num_experts
-        self.intermediate = 0 if packed is None else packed.intermediate_size
+        self.tier = tier
+        src = tier or packed
+        self.num_local = 0 if src is None else src.num_experts
+        self.intermediate = 0 if src is None else src.intermediate_size
         self._ffn, self._deq = _kernel_ops(backend)
         self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
         self.demand_fill = demand_fill
@@ -247,8 +503,11 @@ class PackedLayerExperts:
         self._prefetched: set[int] = set()  # filled by prefetch since this layer's last call
 
     def _load(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = self._deq(self.packed.gate_up[e], self.dtype)
-        dn = self._deq(self.packed.down[e], self.dtype)
+        if self.tier is not None:
+            gu, dn = self.tier.dequantized(e, self._deq, self.dtype)
+        else:
+            gu = self._deq(self.packed.gate_up[e], self.dtype)
+            dn = self._deq(self.packed.down[e], self.dtype)
         if gu.is_cuda:
             torch.cuda.current_stream(gu.device).synchronize()
         return gu, dn
@@ -274,6 +533,14 @@ class PackedLayerExperts:
                     self._pending.difference_update(todo)
 
         self.worker.submit(run)
+
+    def request_packed(self, experts: list[int]) -> None:
+        """Queue reads of local `experts` (priority order) into the cold tier's resident set (no-op without)."""
+        if self.tier is None or not experts:
+            return
+        todo = [e for e in experts if e not in self.tier]
+        if todo:
+            self.worker.submit(lambda: self.tier.prefetch(todo))
 
     def warm(self, experts: list[int]) -> None:
         """Fill the cache synchronously (at start-up) with `experts`, up to capacity."""
@@ -305,7 +572,11 @@ class PackedLayerExperts:
             # The product is rounded once to the activation dtype, as on the packed path.
             h = (F.silu(g.float()) * u.float()).to(xs.dtype)
             ys[lo:hi] = F.linear(h, dn)
-        if misses:
+        if misses and self.tier is not None:
+            self._cold_ffn(xs, ys, counts, bounds, misses)
+            if self.demand_fill and self.cache.capacity:
+                self.request(misses, protect=set(used), prefetch=False)
+        elif misses:
             miss_counts = torch.zeros_like(counts)
             miss_counts[misses] = counts[misses]
             if len(misses) == len(used):
@@ -318,6 +589,32 @@ class PackedLayerExperts:
         y = torch.empty_like(x_RD)
         y[order] = ys
         return y
+
+    def _cold_ffn(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
+                  misses: list[int]) -> None:
+        """ys[rows of e] = expert e (xs[rows of e]) for each of `misses` (local ids), on the tier's slot stack.
+
+        Rows are grouped by slot, in slot order, so one fused call serves every expert pinned this round.
+        """
+        tier = self.tier
+        todo = list(misses)
+        while todo:
+            got = tier.acquire(todo, demand=True)
+            if not got:  # every slot pinned by the prefetch worker: use this expert's bytes once, unslotted
+                e = todo.pop(0)
+                lo, hi = bounds[e], bounds[e + 1]
+                ys[lo:hi] = self._ffn(xs[lo:hi], counts[e : e + 1], tier.read_transient(e))
+                continue
+            try:
+                by_slot = sorted(got.items(), key=lambda es: es[1])
+                slot_counts = torch.zeros(tier.capacity, dtype=counts.dtype, device=counts.device)  # [P_loc]
+                for e, s in by_slot:
+                    slot_counts[s] = counts[e]
+                rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e, _ in by_slot]).to(xs.device)
+                ys[rows] = self._ffn(xs[rows], slot_counts, tier.pool)
+            finally:
+                tier.release(got)
+            todo = [e for e in todo if e not in got]
 
 
 class ExpertRuntime:
@@ -335,18 +632,27 @@ class ExpertRuntime:
         warm_counts: calibration counts that order the initial cache fill (most frequent first).
         min_prefetch_prob: prefetch an expert only if some token's predicted probability of using it is at
             least this (0: every expert in the budget, as the issue's k + 1 rule says).
+        cold: the packed folder's PackedExpertReader; with `resident` set, layers whose share of `resident`
+            is below E_loc get a ColdExpertTier instead of `packed[l]` (which must then be None).
+        resident: packed experts per layer kept in memory over the whole layer (None: all), P_loc =
+            ceil(resident * E_loc / E) on this rank (`local_share`).
     Raises:
-        ValueError: capacity < 0, unknown policy or backend.
+        ValueError: capacity < 0, resident < 1, unknown policy or backend, `resident` without `cold`, or a
+            layer with neither packed experts nor a tier.
     """
 
     def __init__(self, *, model_cfg: ModelConfig, local: list[list[int]], packed: list[PackedExperts | None],
                  dtype: torch.dtype, device: torch.device, capacity: int | None, predictor: ExpertPredictor,
                  policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
                  budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None,
-                 min_prefetch_prob: float = 0.0):
+                 min_prefetch_prob: float = 0.0, cold: PackedExpertReader | None = None,
+                 resident: int | None = None):
         mc = model_cfg
         if capacity is not None and capacity < 0:
             raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
+        if resident is not None and (resident < 1 or cold is None):
+            raise ValueError(f"resident_experts={resident} must be >= 1 and needs a packed checkpoint to read the "
+                             "other experts from")
         self.cfg, self.local, self.predictor = mc, local, predictor
         self.num_experts = mc.num_experts
         self.prefetching = predictor.name != "none"
@@ -363,10 +669,16 @@ class ExpertRuntime:
                 self.layers.append(None)
                 continue
             n_loc = len(local[l])
-            cap = n_loc if capacity is None else min(n_loc, math.ceil(capacity * n_loc / mc.num_experts))
-            self.layers.append(PackedLayerExperts(l, packed[l], capacity=cap, policy=self.policy, dtype=dtype,
-                                                  backend=backend, worker=self.worker, stats=self.stats,
-                                                  demand_fill=demand_fill))
+            cap = local_share(capacity, n_loc, mc.num_experts)
+            p_loc = local_share(resident, n_loc, mc.num_experts)
+            tier = None
+            if p_loc < n_loc:
+                tier = ColdExpertTier(l, local[l], cold, capacity=p_loc, policy=self.policy, device=device)
+            elif n_loc and packed[l] is None:
+                raise ValueError(f"layer {l}: no packed experts for this rank's {n_loc} experts")
+            self.layers.append(PackedLayerExperts(l, None if tier else packed[l], capacity=cap, policy=self.policy,
+                                                  dtype=dtype, backend=backend, worker=self.worker,
+                                                  stats=self.stats, demand_fill=demand_fill, tier=tier))
         moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
         self.prev_moe = {l: (moe[i - 1] if i else None) for i, l in enumerate(moe)}
         self.next_moe = {l: (moe[i + 1] if i + 1 < len(moe) else None) for i, l in enumerate(moe)}
@@ -377,16 +689,24 @@ class ExpertRuntime:
         self._model = None
 
     def _warm(self, counts: TransitionCounts | None) -> None:
-        """Start with the cache full: the calibration's most frequent experts first (else the lowest ids)."""
+        """Start with the caches full: the calibration's most frequent experts first (else the lowest ids).
+
+        With a cold tier its slots take the experts ranked after the dequantized cache's (read once each), so
+        the two tiers start with different experts.
+        """
         freq = counts or getattr(getattr(self.predictor, "markov", self.predictor), "counts", None)
         for l, store in enumerate(self.layers):
-            if store is None or store.cache.capacity == 0:
+            if store is None:
                 continue
             order = list(range(store.num_local))
             if freq is not None:
                 f = freq.freq[l]
                 order.sort(key=lambda i: -float(f[self.local[l][i]]))
-            store.warm(order)
+            c = store.cache.capacity
+            if store.tier is not None:
+                store.tier.prefetch((order[c:] + order[:c])[: store.tier.capacity])
+            if c:
+                store.warm(order)
 
     # ------------------------------------------------------------------------ hooks
     def attach(self, model) -> None:
@@ -488,16 +808,23 @@ class ExpertRuntime:
         pred = torch.topk(s, self.budget, dim=-1).indices  # [T, B]
         self._pred[layer] = pred
         store = self.layers[layer]
-        if store is None or store.cache.capacity == 0:
+        if store is None or (store.cache.capacity == 0 and store.tier is None):
             return
         agg = s.sum(0)  # [E] expected uses in the batch
         lo = self.local_of[layer]
-        store.cache.set_scores({i: float(agg[g]) for g, i in lo.items()})
+        scores = {i: float(agg[g]) for g, i in lo.items()}
+        store.cache.set_scores(scores)
         top = s.max(0).values  # [E] best per-token probability
         want = [lo[g] for g in ExpertPredictor.union(pred) if g in lo and float(top[g]) >= self.min_prefetch_prob]
         want.sort(key=lambda i: -float(agg[self.local[layer][i]]))
-        want = want[: store.cache.capacity]
-        store.request(want, protect=set(want), prefetch=True)
+        c = store.cache.capacity
+        if c:
+            store.request(want[:c], protect=set(want[:c]), prefetch=True)
+        if store.tier is not None:
+            # The most likely experts go to the dequantized cache; the next ones to the packed slots, so a
+            # predicted expert the cache cannot take is at least not a cold miss.
+            store.tier.set_scores(scores)
+            store.request_packed(want[c : c + store.tier.capacity])
 
     # ------------------------------------------------------------------------ reporting
     def wait_idle(self) -> None:
@@ -517,10 +844,65 @@ class ExpertRuntime:
         return {"layers": per, "hit_rate": tot("hits", "lookups"), "recall": tot("pred_inter", "true_n"),
                 "precision": tot("pred_inter", "pred_n"), "wasted_prefetch_frac": tot("wasted", "prefetched"),
                 "thrashing": sum(th) / len(th) if th else float("nan"), "policy": self.policy,
-                "predictor": self.predictor.name}
+                "predictor": self.predictor.name, "tiers": self.tier_stats()}
+
+    def tier_stats(self) -> dict:
+        """Memory and traffic per expert tier, summed over this rank's MoE layers (bytes are bytes held now):
+
+        `cache`: dequantized experts (compute dtype): `experts`, `capacity`, `resident_bytes`, `hits`,
+            `lookups` (experts looked up per layer call).
+        `packed`: packed experts in memory: `experts`, `capacity`, `resident_bytes`, `allocated_bytes`,
+            `budget_bytes` (all equal to the full packed size without a cold tier), `hits` (cache misses served
+            from resident packed bytes).
+        `cold`: the memory-mapped checkpoint (`enabled` False without one): `misses` (read on demand by the
+            forward), `waits`, `prefetch_reads`, `transient_reads`, `evictions`, `bytes_read`.
+        `layers`: {layer: {"cache_experts", "packed_experts", ColdExpertTier.stats() keys}}.
+        """
+        cache = dict.fromkeys(("experts", "capacity", "resident_bytes", "hits", "lookups"), 0)
+        packed = dict.fromkeys(("experts", "capacity", "resident_bytes", "allocated_bytes", "budget_bytes",
+                                "hits"), 0)
+        cold = dict.fromkeys(("misses", "waits", "prefetch_reads", "transient_reads", "evictions", "bytes_read"), 0)
+        layers: dict[int, dict] = {}
+        c = self.stats.c
+        for l, store in enumerate(self.layers):
+            if store is None:
+                continue
+            n_cache = len(store.cache.resident)
+            cache["experts"] += n_cache
+            cache["capacity"] += store.cache.capacity
+            cache["resident_bytes"] += store.cache.resident_bytes
+            cache["hits"] += int(c.get(l, {}).get("hits", 0))
+            cache["lookups"] += int(c.get(l, {}).get("lookups", 0))
+            if store.tier is None:
+                nb = 0 if store.packed is None else store.packed.nbytes
+                packed["experts"] += store.num_local
+                packed["capacity"] += store.num_local
+                for k in ("resident_bytes", "allocated_bytes", "budget_bytes"):
+                    packed[k] += nb
+                layers[l] = {"cache_experts": n_cache, "packed_experts": store.num_local}
+                continue
+            t = store.tier.stats()
+            packed["experts"] += t["resident_experts"]
+            for k in ("capacity", "resident_bytes", "allocated_bytes", "budget_bytes", "hits"):
+                packed[k] += t[k]
+            for k in cold:
+                cold[k] += t[k]
+            layers[l] = {"cache_experts": n_cache, "packed_experts": t["resident_experts"], **t}
+        cold["enabled"] = any(s is not None and s.tier is not None for s in self.layers)
+        return {"cache": cache, "packed": packed, "cold": cold, "layers": layers}
 
 
 # ---------------------------------------------------------------------------- building
+
+
+def local_share(per_layer: int | None, n_loc: int, num_experts: int) -> int:
+    """This rank's share of a per-layer expert count: ceil(per_layer * E_loc / E), capped at E_loc (None: E_loc).
+
+    A rank with any experts gets at least one slot whenever `per_layer` >= 1.
+    """
+    if per_layer is None:
+        return n_loc
+    return min(n_loc, math.ceil(per_layer * n_loc / num_experts))
 
 
 def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bits: int, group_size: int = 64,
@@ -538,7 +920,8 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
                   counts: TransitionCounts | None = None, **runtime_kw) -> ExpertRuntime:
     """An ExpertRuntime for `model` (not yet attached).
 
-    `prefetch="auto"` picks DEFAULT_PREDICTOR when the cache cannot hold every local expert, else none.
+    `prefetch="auto"` picks DEFAULT_PREDICTOR when the cache (or, with a cold tier, the packed resident set)
+    cannot hold every local expert, else none.
     Markov counts come from `counts`, else `<model_path>/expert_transitions.safetensors` when present, else
     start at zero (learned online).
     Raises:
@@ -548,7 +931,8 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
     if prefetch not in PREDICTORS + ("auto",):
         raise ValueError(f"prefetch={prefetch!r} must be auto or one of {PREDICTORS}")
     if prefetch == "auto":
-        full = capacity is None or capacity >= mc.num_experts
+        resident = runtime_kw.get("resident")
+        full = (capacity is None or capacity >= mc.num_experts) and (resident is None or resident >= mc.num_experts)
         prefetch = "none" if full else DEFAULT_PREDICTOR
     if counts is None and model_path and os.path.isfile(os.path.join(model_path, TRANSITIONS_FILE)):
         counts = TransitionCounts.load(os.path.join(model_path, TRANSITIONS_FILE))
@@ -572,12 +956,21 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
 
     Packed experts are used when `cfg.model` is a packed checkpoint (read: only this rank's experts) or
     `cfg.weight_bits` is set (quantized at load time, group size `cfg.weight_group_size`, uniform grid).
+    With `cfg.resident_experts` below E (packed checkpoint only) a layer keeps only its share of packed experts
+    in memory (`ColdExpertTier`) and reads the others from the memory-mapped checkpoint when needed; the
+    dequantized cache then defaults to empty (`expert_cache_capacity` None -> 0).
     Raises:
         ValueError: weight_bits disagrees with a packed checkpoint's bits; expert_cache_capacity or an explicit
-            prefetch predictor without packed experts; unknown prefetch / kernel_backend.
+            prefetch predictor without packed experts; resident_experts without a packed checkpoint; unknown
+            prefetch / kernel_backend.
     """
     mc = model_cfg
+    resident = getattr(cfg, "resident_experts", None)
     packed_dir = is_packed_checkpoint(cfg.model)
+    if resident is not None and not packed_dir:
+        raise ValueError(f"resident_experts={resident} needs a packed checkpoint (moeray quantize) to read the "
+                         f"other experts from; model={cfg.model!r} is not one")
+    cold = None
     if packed_dir:
         qc = read_quant_config(cfg.model)
         if cfg.weight_bits is not None and cfg.weight_bits != qc["bits"]:
@@ -586,8 +979,12 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
         from actors.weights import CheckpointReader
 
         reader = CheckpointReader(cfg.model)
+        if resident is not None and resident < mc.num_experts:
+            cold = PackedExpertReader(cfg.model, mc)
+        # Layers served by a cold tier read nothing now (their slots fill when the runtime warms them).
         packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(model.device)
-                  if mc.moe_layers[l] and local[l] else None for l in range(mc.num_layers)]
+                  if mc.moe_layers[l] and local[l] and local_share(resident, len(local[l]), mc.num_experts) >=
+                  len(local[l]) else None for l in range(mc.num_layers)]
     elif cfg.weight_bits is not None:
         packed = []
         for l in range(mc.num_layers):
@@ -601,8 +998,12 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
             raise ValueError(f"expert_cache_capacity={cfg.expert_cache_capacity} / prefetch={cfg.prefetch!r} need "
                              "packed experts: set weight_bits or serve a packed checkpoint (moeray quantize)")
         return None
+    capacity = cfg.expert_cache_capacity
+    if capacity is None and cold is not None:
+        capacity = 0  # a model served from the cold tier does not fit dequantized: cache only when asked to
     rt = build_runtime(model_cfg=mc, model=model, local=local, packed=packed, model_path=cfg.model,
-                       capacity=cfg.expert_cache_capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend)
+                       capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
+                       cold=cold, resident=resident if cold is not None else None)
     rt.attach(model)
     return rt
 

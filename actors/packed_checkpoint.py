@@ -14,13 +14,16 @@ Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moera
                                                              (`router_service.routing.prefetch`)
 
 `load_packed_experts` reads only the requested experts' rows of each stack (safetensors slices), so an EP
-rank never materialises the other ranks' experts.
+rank never materialises the other ranks' experts. `PackedExpertReader` reads one expert at a time from the
+memory-mapped files: the source of the cold tier (`actors.expert_store.ColdExpertTier`), for models whose
+packed experts do not fit in memory.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 
 import torch
@@ -28,7 +31,7 @@ from safetensors import safe_open
 
 from actors.config import ModelConfig
 from actors.weights import CheckpointReader, _moe_prefix, load_expert_weights
-from kernels.packed_weights import PackedExperts, PackedWeight, quantize
+from kernels.packed_weights import PackedExperts, PackedWeight, quantize, words_per_row
 from router_service.routing.prefetch import TRANSITIONS_FILE
 
 QUANT_CONFIG = "quantization_config.json"
@@ -156,3 +159,97 @@ def packed_layer_names(path: str) -> list[str]:
             with safe_open(os.path.join(path, fn), "pt") as f:
                 names += [n for n in f.keys() if ".experts.packed." in n]  # noqa: SIM118 - safe_open has no __iter__
     return names
+
+
+class PackedExpertReader:
+    """Reads single packed experts of a packed folder on demand (the cold tier's source).
+
+    `safetensors.safe_open(..., "pt")` memory-maps each file; a read copies only the requested expert's rows
+    of each packed stack (codes int32, scales fp16, zeros fp16, codebook fp16) out of the map, so the process
+    holds no expert it did not ask for. The OS page cache may keep the file's pages, but those are clean,
+    file-backed and reclaimable: they are not counted as resident here.
+
+    Args:
+        path: packed folder (`moeray quantize` output). cfg: its ModelConfig.
+    Raises:
+        ValueError: a MoE layer's packed tensors are missing (names the tensor and the folder).
+    Thread-safe: reads are serialised by a lock (the forward and the prefetch worker both read).
+    """
+
+    _FIELDS = ("codes", "scales", "zeros", "codebook")
+
+    def __init__(self, path: str, cfg: ModelConfig):
+        self.path, self.cfg = path, cfg
+        self.reader = CheckpointReader(path)
+        self._lock = threading.Lock()
+        self._slices: dict[str, object] = {}
+        # layer -> proj -> (bits, group_size, stack shape (E, N, K), tensor name prefix, has codebook)
+        self.layout: dict[int, dict[str, tuple]] = {}
+        for l in range(cfg.num_layers):
+            if not cfg.moe_layers[l]:
+                continue
+            p = f"{_moe_prefix(self.reader, l)}.experts.packed"
+            self.layout[l] = {}
+            for proj in ("gate_up", "down"):
+                pre = f"{p}.{proj}"
+                if f"{pre}.qmeta" not in self.reader:
+                    raise ValueError(f"model={path!r} layer {l}: packed tensors {pre}.* not found")
+                meta = [int(v) for v in self.reader.get(f"{pre}.qmeta").tolist()]
+                self.layout[l][proj] = (meta[0], meta[1], tuple(meta[2:]), pre, f"{pre}.qcodebook" in self.reader)
+
+    def empty(self, layer: int, n: int, device: torch.device | str = "cpu") -> PackedExperts:
+        """A zero-filled stack of `n` expert slots of `layer`'s packed format (gate_up `(n, 2I, D)`,
+        down `(n, D, I)`) on `device`: the preallocated resident set of the cold tier."""
+        parts = {}
+        for proj, (bits, group, shape, _, has_cb) in self.layout[layer].items():
+            _, nrow, k = shape
+            g = -(-k // group)
+            parts[proj] = PackedWeight(
+                codes=torch.zeros(n, nrow, words_per_row(k, bits), dtype=torch.int32, device=device),
+                scales=torch.zeros(n, nrow, g, dtype=torch.float16, device=device),
+                zeros=torch.zeros(n, nrow, g, dtype=torch.float16, device=device),
+                codebook=torch.zeros(n, 1 << bits, dtype=torch.float16, device=device) if has_cb else None,
+                bits=bits, group_size=group, shape=(n, nrow, k))
+        return PackedExperts(**parts)
+
+    def expert_nbytes(self, layer: int) -> int:
+        """Bytes of one packed expert of `layer` (codes, scales, zeros, codebook; gate_up and down)."""
+        one = self.empty(layer, 1, "meta")
+        return one.nbytes
+
+    def _rows(self, name: str, e: int) -> torch.Tensor:
+        sl = self._slices.get(name)
+        if sl is None:
+            sl = self._slices[name] = self.reader._open(name).get_slice(name)
+        return sl[e : e + 1][0]
+
+    def read(self, layer: int, expert: int) -> dict[str, dict[str, torch.Tensor]]:
+        """Global expert `expert` of `layer`, read from the map: {proj: {field: tensor without the E dim}}
+        on CPU. Raises IndexError when `expert` is out of range."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        with self._lock:
+            for proj, (_, _, shape, pre, has_cb) in self.layout[layer].items():
+                if not 0 <= expert < shape[0]:
+                    raise IndexError(f"layer {layer}: expert={expert} outside [0, {shape[0]})")
+                out[proj] = {f: self._rows(f"{pre}.q{f}", expert) for f in self._FIELDS if f != "codebook" or has_cb}
+        return out
+
+    def read_into(self, layer: int, expert: int, dst: PackedExperts, slot: int) -> int:
+        """Copy global expert `expert` of `layer` into slot `slot` of `dst` (a stack from `empty`, any device);
+        returns the bytes read."""
+        n = 0
+        for proj, fields in self.read(layer, expert).items():
+            pw = getattr(dst, proj)
+            for f, t in fields.items():
+                getattr(pw, f)[slot].copy_(t, non_blocking=False)
+                n += t.numel() * t.element_size()
+        return n
+
+    def read_one(self, layer: int, expert: int, device: torch.device | str = "cpu") -> PackedExperts:
+        """Global expert `expert` of `layer` as a one-expert stack (E = 1) on `device` (not kept anywhere)."""
+        parts = {}
+        for proj, fields in self.read(layer, expert).items():
+            bits, group, shape, _, _ = self.layout[layer][proj]
+            parts[proj] = PackedWeight(**{f: t.unsqueeze(0).to(device) for f, t in fields.items()},
+                                       bits=bits, group_size=group, shape=(1, *shape[1:]))
+        return PackedExperts(**parts)

@@ -40,6 +40,9 @@ def _add_generate(sub) -> None:
                    help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="C",
                    help="experts per layer kept dequantized (default: all); the rest run packed")
+    p.add_argument("--resident-experts", type=int, default=None, metavar="N",
+                   help="packed experts per layer kept in memory (default: all); the rest are read on demand from "
+                        "the memory-mapped packed --model, for models larger than memory")
     p.add_argument("--prefetch", default="auto", choices=["auto", "none", "frequent", "markov", "lookahead", "hybrid"],
                    help="expert prefetch predictor (auto: the measured best when the cache is smaller than E)")
     p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"],
@@ -79,7 +82,7 @@ def cmd_generate(a) -> int:
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
     kw["engine_options"] = {k: v for k, v in (("kv_bits", a.kv_bits), ("kv_profile", a.kv_profile)) if v is not None}
     experts_kw = {"weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
-                  "kernel_backend": a.kernel_backend, "gating": a.gating}
+                  "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating}
     try:
         if a.gating_option:
             experts_kw["gating_options"] = parse_gating_options(a.gating_option)
