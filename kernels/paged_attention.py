@@ -233,6 +233,7 @@ def _paged_decode_kernel(
     block_tables_ptr, context_lens_ptr, cos_ptr, sin_ptr,
     sink_k_ptr, sink_v_ptr, sink_lens_ptr, tail_k_ptr, tail_v_ptr, tail_lens_ptr,
     sm_scale, max_blocks, n_sink_max, n_tail_max,
+    kc_bs, vc_bs, vs_bs, ko_bs, vo_bs,
     H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
     BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
     N_OUT_K: tl.constexpr, N_OUT_V: tl.constexpr,
@@ -275,17 +276,20 @@ def _paged_decode_kernel(
         blk = tl.load(block_tables_ptr + seq * max_blocks + j).to(tl.int64)
         tok = j * S + offs_t
         valid = in_block & (tok < ctx)
-        code_row = ((blk * H + head) * S + offs_t) * P  # [T] byte offset of each token's packed row
-        side_row = (blk * S + offs_t) * H + head  # [T] index into [NB, S, H, ...] side arrays
+        # Blocks are addressed by their own stride (elements), so pages may be strided views of a byte arena;
+        # within a block every array is contiguous.
+        code_in = (head * S + offs_t) * P  # [T] byte offset of each token's packed row within the block
+        side_row = offs_t * H + head  # [T] row within the block of the [S, H, ...] side arrays
         m2 = valid[:, None]
 
-        k1 = tl.load(k_cb_ptr + _unpack(k_codes_ptr, code_row, offs_h, valid, BITS, P)) * ks1[None, :] + kz1[None, :]
-        k2 = tl.load(k_cb_ptr + _unpack(k_codes_ptr, code_row, HALF + offs_h, valid, BITS, P)) * ks2[None, :] \
-            + kz2[None, :]
+        k1 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, offs_h, valid, BITS, P)) * ks1[None, :] \
+            + kz1[None, :]
+        k2 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, HALF + offs_h, valid, BITS, P)) \
+            * ks2[None, :] + kz2[None, :]
         if N_OUT_K > 0:
-            o1 = tl.load(k_out_ptr + side_row[:, None] * N_OUT_K + kslot1[None, :],
+            o1 = tl.load(k_out_ptr + blk * ko_bs + side_row[:, None] * N_OUT_K + kslot1[None, :],
                          mask=m2 & (kslot1[None, :] >= 0), other=0.0).to(tl.float32)
-            o2 = tl.load(k_out_ptr + side_row[:, None] * N_OUT_K + kslot2[None, :],
+            o2 = tl.load(k_out_ptr + blk * ko_bs + side_row[:, None] * N_OUT_K + kslot2[None, :],
                          mask=m2 & (kslot2[None, :] >= 0), other=0.0).to(tl.float32)
             k1 = tl.where(kslot1[None, :] >= 0, o1, k1)
             k2 = tl.where(kslot2[None, :] >= 0, o2, k2)
@@ -298,10 +302,11 @@ def _paged_decode_kernel(
         k1r = k1 * c1 - k2 * s1
         k2r = k2 * c2 + k1 * s2
 
-        vsc = tl.load(v_scale_ptr + side_row, mask=valid, other=0.0).to(tl.float32)
-        v = tl.load(v_cb_ptr + _unpack(v_codes_ptr, code_row, offs_d, valid, BITS, P)) * vsc[:, None] + vz[None, :]
+        vsc = tl.load(v_scale_ptr + blk * vs_bs + side_row, mask=valid, other=0.0).to(tl.float32)
+        v = tl.load(v_cb_ptr + _unpack(v_codes_ptr + blk * vc_bs, code_in, offs_d, valid, BITS, P)) * vsc[:, None] \
+            + vz[None, :]
         if N_OUT_V > 0:
-            ov = tl.load(v_out_ptr + side_row[:, None] * N_OUT_V + vslot[None, :],
+            ov = tl.load(v_out_ptr + blk * vo_bs + side_row[:, None] * N_OUT_V + vslot[None, :],
                          mask=m2 & (vslot[None, :] >= 0), other=0.0).to(tl.float32)
             v = tl.where(vslot[None, :] >= 0, ov, v)
         m_i, l_i, acc = _online_softmax_step(q1, q2, k1r, k2r, v, valid, m_i, l_i, acc, sm_scale)
@@ -313,6 +318,14 @@ def _paged_decode_kernel(
 
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     tl.store(out_ptr + q_row[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+def _block_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` [NB, ...] as is when each block is contiguous (any block stride, e.g. a view of a byte arena),
+    else a contiguous copy. The kernel addresses block j at j * t.stride(0) elements."""
+    if t.shape[0] == 0 or t[0].is_contiguous() or t[0].numel() == 0:
+        return t
+    return t.contiguous()
 
 
 def paged_decode_attention_triton(
@@ -335,7 +348,8 @@ def paged_decode_attention_triton(
     """Triton version of `paged_decode_attention_ref`, same arguments, shapes, dtypes and result.
 
     Grid: (B, H); each program serves the Hq / H query heads of one KV head. Extra constraint: D must be
-    a power of two (tl.arange). Positions are not checked against the RoPE table (no host sync); loads
+    a power of two (tl.arange). The page arrays may be strided in their block dimension (views of one byte
+    arena, as `QuantizedPagedKVCache` keeps them) as long as each block is contiguous; they are not copied. Positions are not checked against the RoPE table (no host sync); loads
     beyond it are undefined as in any paged kernel. Runs on CUDA tensors, or on CPU tensors under
     TRITON_INTERPRET=1 (set before importing this module; fp32/fp16 only, the interpreter is wrong for bf16).
 
@@ -360,11 +374,12 @@ def paged_decode_attention_triton(
     if has_sink and sink_lens is None:
         sink_lens = torch.full((b,), sink_k.shape[1], dtype=i32, device=dev)
     s = pages.block_size
+    kc, vc, vs, ko, vo = (_block_major(t) for t in (pages.k_codes, pages.v_codes, pages.v_scale, pages.k_outliers,
+                                                     pages.v_outliers))
     with launch_guard():
         _paged_decode_kernel[(b, h)](
             q.contiguous(), out,
-            pages.k_codes.contiguous(), pages.v_codes.contiguous(), pages.v_scale.contiguous(),
-            pages.k_outliers.contiguous(), pages.v_outliers.contiguous(),
+            kc, vc, vs, ko, vo,
             profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
             profile.outlier_slots("k"), profile.outlier_slots("v"),
             block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
@@ -375,6 +390,7 @@ def paged_decode_attention_triton(
             tail_lens.to(i32).contiguous() if has_tail else dummy_i,
             float(scale), block_tables.shape[1],
             sink_k.shape[1] if has_sink else 0, tail_k.shape[1] if has_tail else 0,
+            kc.stride(0), vc.stride(0), vs.stride(0), ko.stride(0), vo.stride(0),
             H=h, GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=d, HALF=d // 2,
             BITS=profile.bits, P=profile.packed_bytes, S=s, BLOCK_S=triton.next_power_of_2(s),
             N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
