@@ -5,7 +5,15 @@
 Both listen on --host (127.0.0.1 unless told otherwise). With --http-port > 0 the EP cluster lives in
 the Serve replica (`router_service.serve_app.MoerayServer`) and the gRPC server runs in that replica
 too, sharing its router; with --http-port 0 no Serve is started and the gRPC server runs in this
-process (a standalone server). The API key, if any, comes from --api-key or $MOERAY_API_KEY.
+process (a standalone server). `--grpc-proxy` answers gRPC through Ray Serve's own gRPC proxy instead
+(the path deploy/serve_config.yaml uses), which binds every interface whatever --host says (Serve 2.60
+has no host option for it). The gRPC server admits --max-queue streams plus a few control calls.
+The API key, if any, comes from --api-key or $MOERAY_API_KEY.
+
+Ray token authentication: when this command starts its own local Ray (no --address / $RAY_ADDRESS, or
+the address `local`), it starts it with RAY_AUTH_MODE=token unless RAY_AUTH_MODE is already set (Ray
+then generates a token in ~/.ray/auth_token, or uses $RAY_AUTH_TOKEN / $RAY_AUTH_TOKEN_PATH); to join
+a cluster, set RAY_AUTH_MODE and RAY_AUTH_TOKEN as that cluster requires.
 """
 from __future__ import annotations
 
@@ -30,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests in flight before 503 / RESOURCE_EXHAUSTED")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--grpc-proxy", action="store_true",
+                   help="serve gRPC through Ray Serve's gRPC proxy on --grpc-port (binds every interface, "
+                        "not --host) instead of the replica's own server on --host")
     p.set_defaults(func=cmd_serve)
 
 
@@ -40,6 +51,8 @@ def _validate(a) -> str | None:
         v = getattr(a, name)
         if not 0 <= v <= 65535:
             return f"--{name.replace('_', '-')}={v} must be in [0, 65535]"
+    if a.grpc_proxy and (a.http_port == 0 or a.grpc_port == 0):
+        return "--grpc-proxy needs Serve and a gRPC port: --http-port and --grpc-port must be > 0"
     if a.ranks is not None and a.ranks < 1:
         return f"--ranks={a.ranks} must be >= 1"
     if not os.path.isfile(os.path.join(a.model, "config.json")):
@@ -47,13 +60,58 @@ def _validate(a) -> str | None:
     return None
 
 
+def owns_local_ray(address: str | None) -> bool:
+    """True when `ray.init(address=address)` starts a new local Ray (no address, or `local`)."""
+    return not address or address == "local"
+
+
+def enable_ray_token_auth() -> bool:
+    """Turn on Ray token authentication for a local Ray this process is about to start, unless the user
+    chose a mode (RAY_AUTH_MODE set, also to `disabled`). Returns True if it set RAY_AUTH_MODE=token.
+
+    Ray reads RAY_AUTH_MODE into its cached config when `ray` is imported, so setting the variable alone
+    afterwards makes `ray.init()` fail (`AuthenticationError: ... RAY_AUTH_MODE is currently 'disabled'`,
+    seen with Ray 2.60): the config is re-read here, as Ray's own default-on path does. Ray >= 2.52 then
+    writes a token to ~/.ray/auth_token if none exists (or takes $RAY_AUTH_TOKEN / $RAY_AUTH_TOKEN_PATH).
+    If the config cannot be re-read (a Ray without this API), the variable is left unset and Ray's own
+    default applies (2.60: token auth on for a new local cluster).
+    """
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return False
+    os.environ["RAY_AUTH_MODE"] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError) as e:
+        del os.environ["RAY_AUTH_MODE"]
+        print(f"moeray: cannot switch Ray to token auth ({e}); Ray's default applies", file=sys.stderr)
+        return False
+    return True
+
+
+def init_ray(address: str | None) -> None:
+    """Join `address`, or start a private local Ray with token authentication (see `enable_ray_token_auth`).
+    Does nothing if Ray is already initialized in this process."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if not owns_local_ray(address):
+        ray.init(address=address, log_to_driver=True)
+        return
+    enable_ray_token_auth()
+    if address:
+        ray.init(address=address, include_dashboard=False)
+    else:
+        ray.init(include_dashboard=False)
+
+
 def cmd_serve(a) -> int:
     err = _validate(a)
     if err:
         print(f"moeray: error: {err}", file=sys.stderr)
         return 2
-    import ray
-
     api_key = a.api_key if a.api_key is not None else os.environ.get("MOERAY_API_KEY")
     if a.http_port == 0:
         return _grpc_only(a, api_key)
@@ -61,25 +119,26 @@ def cmd_serve(a) -> int:
     from ray import serve
 
     from router_service.http_models import ServeAppArgs
-    from router_service.serve_app import build_app
+    from router_service.serve_app import GRPC_SERVICER_FUNCTION, build_app
 
-    addr = a.address or os.environ.get("RAY_ADDRESS")
-    if not ray.is_initialized():
-        if addr:
-            ray.init(address=addr, log_to_driver=True)
-        else:
-            ray.init(include_dashboard=False)
+    init_ray(a.address or os.environ.get("RAY_ADDRESS"))
     import torch
 
     ranks = a.ranks or (torch.cuda.device_count() or 2)  # as LLM / ClusterConfig.auto: one per GPU, else 2
+    in_replica = a.grpc_port and not a.grpc_proxy
     args = ServeAppArgs(model=os.path.abspath(a.model), ranks=ranks, max_queue=a.max_queue, api_key=api_key,
-                        grpc_port=a.grpc_port or None, grpc_host=a.host, served_model_name=a.served_model_name)
-    serve.start(http_options={"host": a.host, "port": a.http_port})
+                        grpc_port=a.grpc_port if in_replica else None, grpc_host=a.host,
+                        served_model_name=a.served_model_name)
+    grpc_options = None
+    if a.grpc_proxy:
+        grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
+                        "request_timeout_s": 600}
+    serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
     # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
     app = build_app(args)
     serve.run(app, name="moeray", route_prefix="/", blocking=False)
-    print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1"
-          + (f", gRPC on {a.host}:{a.grpc_port}" if a.grpc_port else ""), file=sys.stderr, flush=True)
+    grpc_at = f", gRPC on {'[::] (Serve proxy)' if a.grpc_proxy else a.host}:{a.grpc_port}" if a.grpc_port else ""
+    print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
     try:
         _wait_for_signal()
     finally:
@@ -101,6 +160,8 @@ def _grpc_only(a, api_key: str | None) -> int:
     from moeray.api import LLM
     from router_service.grpc_server import start_grpc_server
 
+    if owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
+        enable_ray_token_auth()  # LLM starts the local Ray
     try:
         llm = LLM(model=a.model, ranks=a.ranks, address=a.address, max_queue=a.max_queue)
     except (ValueError, FileNotFoundError) as e:

@@ -1,15 +1,24 @@
 """gRPC front door (`moeray.v1.Moeray`, see `router_service/proto/moeray/v1/moeray.proto`).
 
-A synchronous `grpc.server`: each `Generate` call holds one worker thread while it streams. What the
-servicer guarantees:
+The RPC logic lives in `MoerayRpc` (no transport) and is served two ways:
+- `MoerayServicer` / `GrpcServer` here: a standalone synchronous `grpc.server`, used by `moeray serve`
+  (in its own process with `--http-port 0`, else inside the Serve replica) because it binds the host it
+  is given (127.0.0.1 by default), while Serve 2.60's gRPC proxy always binds every interface;
+- `router_service.serve_app.MoerayServer`: the same RPCs as deployment methods behind Serve's gRPC proxy
+  (`grpc_options` in deploy/serve_config.yaml), the path for clusters (KubeRay).
+
+What both guarantee:
 - a call that ends early (client cancel, disconnect, deadline) aborts its request on its rank at once,
-  through `context.add_callback`, so its KV blocks are freed without waiting for the next token;
+  so its KV blocks are freed without waiting for the next token (`GenerateCall.close`);
 - bad input -> INVALID_ARGUMENT whose message starts with the field (`max_tokens: max_tokens=5000
-  exceeds the context window ...`); queue limit -> RESOURCE_EXHAUSTED (also when every worker
-  thread is busy: `maximum_concurrent_rpcs`); a rank failure -> UNAVAILABLE (retriable);
+  exceeds the context window ...`); queue limit -> RESOURCE_EXHAUSTED; a rank failure -> UNAVAILABLE
+  (retriable);
 - an optional API key, sent as metadata `authorization: Bearer <key>` or `x-api-key: <key>`
   (`Health` needs none, so probes work);
-- it binds 127.0.0.1 unless another host is given.
+- client data is parsed as protobuf only (never unpickled).
+
+The standalone server admits `max_queue + CONTROL_HEADROOM` concurrent calls (one thread each), so the
+router's queue limit, not the thread pool, decides when Generate gets RESOURCE_EXHAUSTED.
 
 `python -m router_service.grpc_server --model DIR --ranks 2 --port 50051` runs it alone (no Serve).
 """
@@ -26,6 +35,7 @@ import threading
 import uuid
 from concurrent import futures
 from dataclasses import fields
+from typing import Iterable
 
 import grpc
 
@@ -34,7 +44,7 @@ from actors.sampling import SamplingParams
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
-from router_service.router import Router
+from router_service.router import RequestStream, Router
 
 log = logging.getLogger("moeray.grpc")
 
@@ -87,12 +97,76 @@ def api_key_ok(expected: str | None, presented: str | None) -> bool:
     return presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
 
 
-class MoerayServicer(pb_grpc.MoerayServicer):
-    """Implements `moeray.v1.Moeray` over a `Router`.
+def presented_key(metadata: Iterable[tuple[str, str]]) -> str | None:
+    """The API key in gRPC metadata: `x-api-key: <key>`, else `authorization: Bearer <key>`; None if absent."""
+    md = {k.lower(): v for k, v in metadata}
+    key = md.get("x-api-key")
+    auth = md.get("authorization", "")
+    if key is None and auth.lower().startswith("bearer "):
+        key = auth[7:].strip()
+    return key
+
+
+class RpcError(Exception):
+    """The status a call ends with (`code`, a `grpc.StatusCode`, and `details`). Each transport turns it into
+    its own abort: `context.abort` in the standalone server, `grpc_context.set_code` + raise behind Serve."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+    def __reduce__(self):  # Serve carries it from the replica to the proxy; rebuild with both fields
+        return (RpcError, (self.code, self.details))
+
+
+class GenerateCall:
+    """One `Generate` in flight: turns the request's `TokenOutput`s into `GenerateResponse`s and makes sure
+    the rank lets go of it. `close()` (idempotent, thread-safe) aborts the request unless it already
+    finished; transports call it when the call ends for any reason (cancel, disconnect, deadline, error)."""
+
+    def __init__(self, router: Router, stream: RequestStream):
+        self.router, self.stream = router, stream
+        self.request_id = stream.request_id
+        self.completion = 0  # tokens streamed so far
+        self._finished = threading.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished.is_set()
+
+    def response(self, o: TokenOutput) -> pb.GenerateResponse:
+        """The response for one output; the last one (finish_reason set) carries usage.
+
+        Raises:
+            RpcError: UNAVAILABLE when the rank failed (`finish_reason == "error"`; retriable).
+        """
+        if o.finish_reason == "error":
+            self._finished.set()  # the router already ended it on every rank
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, o.error or "the rank failed")
+        self.completion += len(o.token_ids)
+        resp = pb.GenerateResponse(request_id=self.request_id, text=o.text, token_ids=o.token_ids,
+                                   finish_reason=FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
+        if o.finish_reason is not None:
+            self._finished.set()
+            p = self.stream.out.prompt_tokens
+            resp.usage.CopyFrom(pb.Usage(prompt_tokens=p, completion_tokens=self.completion,
+                                         total_tokens=p + self.completion))
+        return resp
+
+    def close(self) -> None:
+        if not self._finished.is_set():
+            self._finished.set()
+            self.router.abort(self.request_id)
+
+
+class MoerayRpc:
+    """The `moeray.v1.Moeray` logic without a transport, shared by the standalone server (`MoerayServicer`)
+    and the Ray Serve deployment behind Serve's gRPC proxy (`router_service.serve_app.MoerayServer`).
+    Every method may block on the ranks (a Ray call): async callers run it in an executor.
 
     Args:
         router: a running router. model_name: public model id (default: model folder name).
-        api_key: if set, every call except `Health` must present it.
+        api_key: if set, every call except `Health` must present it (see `presented_key`).
     """
 
     def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None):
@@ -100,109 +174,67 @@ class MoerayServicer(pb_grpc.MoerayServicer):
         self.model_name = served_model_name(router, model_name)
         self.api_key = api_key or None
 
-    # ------------------------------------------------------------------ helpers
-    def _auth(self, context: grpc.ServicerContext) -> None:
-        if not self.api_key:
-            return
-        md = {k.lower(): v for k, v in context.invocation_metadata()}
-        key = md.get("x-api-key")
-        auth = md.get("authorization", "")
-        if key is None and auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-        if not api_key_ok(self.api_key, key):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: Bearer <key>)")
+    def authorize(self, metadata: Iterable[tuple[str, str]]) -> None:
+        """Raises RpcError(UNAUTHENTICATED) unless the metadata carries the API key (when one is set)."""
+        if self.api_key and not api_key_ok(self.api_key, presented_key(metadata)):
+            raise RpcError(grpc.StatusCode.UNAUTHENTICATED,
+                           "missing or wrong API key (metadata authorization: Bearer <key>)")
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
             raise InvalidRequestError("model", f"model={model!r} is not served; available: [{self.model_name!r}]")
 
-    # ------------------------------------------------------------------ RPCs
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        self._auth(context)
-        kind = request.WhichOneof("prompt")
+    def start(self, request: pb.GenerateRequest) -> GenerateCall:
+        """Validate and submit one Generate request.
+
+        Raises:
+            RpcError: INVALID_ARGUMENT (details start with the field: `max_tokens: max_tokens=5000 exceeds
+                the context window ...`), RESOURCE_EXHAUSTED (queue limit), UNAVAILABLE (a rank failed or
+                the EP group is being rebuilt; retriable).
+        """
         try:
             self._check_model(request.model)
+            kind = request.WhichOneof("prompt")
             if kind is None:
                 raise InvalidRequestError("prompt", "prompt is missing: set text or token_ids")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
             params = params_from_proto(request.sampling)
-            rid = request.request_id or uuid.uuid4().hex
-            stream = self.router.submit(prompt, params, rid)
+            stream = self.router.submit(prompt, params, request.request_id or uuid.uuid4().hex)
         except InvalidRequestError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from e
         except OverloadedError as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except EngineError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
+        return GenerateCall(self.router, stream)
 
-        finished = threading.Event()
-
-        def on_terminate() -> None:  # runs when the call ends for any reason (also normal completion)
-            if not finished.is_set():
-                self.router.abort(rid)
-
-        if not context.add_callback(on_terminate):  # the call already ended while we submitted
-            self.router.abort(rid)
-            return
-        completion = 0
-        try:
-            while True:
-                try:
-                    o: TokenOutput = stream.get(timeout=_LIVENESS_S)
-                except queue.Empty:
-                    if not context.is_active():
-                        return
-                    continue
-                if o.finish_reason == "error":
-                    finished.set()
-                    context.abort(grpc.StatusCode.UNAVAILABLE, o.error or "the rank failed")
-                completion += len(o.token_ids)
-                resp = pb.GenerateResponse(request_id=rid, text=o.text, token_ids=o.token_ids,
-                                           finish_reason=FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
-                if o.finish_reason is not None:
-                    finished.set()
-                    p = stream.out.prompt_tokens
-                    resp.usage.CopyFrom(pb.Usage(prompt_tokens=p, completion_tokens=completion,
-                                                 total_tokens=p + completion))
-                    if o.finish_reason == "abort" and not context.is_active():
-                        return
-                yield resp
-                if o.finish_reason is not None:
-                    return
-        finally:
-            # GeneratorExit (grpc closed the iterator) or an exception: make sure the rank lets go.
-            if not finished.is_set():
-                finished.set()
-                self.router.abort(rid)
-
-    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
-        self._auth(context)
+    def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
+        """Abort `request.request_id` if it is in flight on this router. Raises RpcError(INVALID_ARGUMENT)
+        for an empty id."""
         if not request.request_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: request_id is empty")
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "request_id: request_id is empty")
         found = is_in_flight(self.router, request.request_id)
         if found:
             self.router.abort(request.request_id)
         return pb.CancelResponse(found=found)
 
-    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+    def health(self) -> pb.HealthResponse:
         h = self.router.health()
-        ranks, ok = h["ranks"], h["ok"]
         return pb.HealthResponse(
-            status=pb.HealthResponse.STATUS_SERVING if ok else pb.HealthResponse.STATUS_NOT_SERVING,
-            ranks=[pb.RankHealth(rank=r["rank"], ok=bool(r.get("ok")), error=r.get("error") or "") for r in ranks])
+            status=pb.HealthResponse.STATUS_SERVING if h["ok"] else pb.HealthResponse.STATUS_NOT_SERVING,
+            ranks=[pb.RankHealth(rank=r["rank"], ok=bool(r.get("ok")), error=r.get("error") or "") for r in h["ranks"]])
 
-    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
-        self._auth(context)
+    def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             id=self.model_name, max_model_len=self.router.cfg.max_model_len, vocab_size=self.router.vocab_size,
             ranks=self.router.cfg.ranks)])
 
-    def GetClusterStats(self, request: pb.GetClusterStatsRequest, context: grpc.ServicerContext) -> pb.ClusterStats:
-        self._auth(context)
+    def cluster_stats(self) -> pb.ClusterStats:
+        """Raises RpcError(UNAVAILABLE) when a rank does not answer or the EP group is being rebuilt."""
         try:
             s = self.router.stats()
         except Exception as e:  # noqa: BLE001 - a rank did not answer
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"cluster stats unavailable: {type(e).__name__}: {e}")
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"cluster stats unavailable: {type(e).__name__}: {e}") from e
         return pb.ClusterStats(
             in_flight=s["in_flight"], running=s["running"], waiting=s["waiting"],
             kv_blocks_total=s["kv_blocks_total"], kv_blocks_free=s["kv_blocks_free"],
@@ -212,20 +244,93 @@ class MoerayServicer(pb_grpc.MoerayServicer):
                                 failed=r.get("failed") or "") for r in s["ranks"]])
 
 
+class MoerayServicer(pb_grpc.MoerayServicer):
+    """`moeray.v1.Moeray` for a `grpc.server` (the standalone server): `MoerayRpc` plus
+    `context.abort` for errors and `context.add_callback` for calls that end early.
+
+    Args: as `MoerayRpc`.
+    """
+
+    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None):
+        self.rpc = MoerayRpc(router, model_name, api_key)
+        self.router, self.model_name, self.api_key = router, self.rpc.model_name, self.rpc.api_key
+
+    @staticmethod
+    def _call(context: grpc.ServicerContext, fn, *args):
+        try:
+            return fn(*args)
+        except RpcError as e:
+            context.abort(e.code, e.details)  # raises
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        self._call(context, self.rpc.authorize, context.invocation_metadata())
+        call: GenerateCall = self._call(context, self.rpc.start, request)
+        # runs when the call ends for any reason, also normal completion (then close() does nothing)
+        if not context.add_callback(call.close):  # the call already ended while we submitted
+            call.close()
+            return
+        try:
+            while True:
+                try:
+                    o: TokenOutput = call.stream.get(timeout=_LIVENESS_S)
+                except queue.Empty:
+                    if not context.is_active():
+                        return
+                    continue
+                resp = self._call(context, call.response, o)
+                if o.finish_reason == "abort" and not context.is_active():
+                    return
+                yield resp
+                if call.finished:
+                    return
+        finally:
+            call.close()  # GeneratorExit (grpc closed the iterator) or an exception: make sure the rank lets go
+
+    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
+        self._call(context, self.rpc.authorize, context.invocation_metadata())
+        return self._call(context, self.rpc.cancel, request)
+
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        return self.rpc.health()  # no key: probes must work
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        self._call(context, self.rpc.authorize, context.invocation_metadata())
+        return self.rpc.list_models()
+
+    def GetClusterStats(self, request: pb.GetClusterStatsRequest, context: grpc.ServicerContext) -> pb.ClusterStats:
+        self._call(context, self.rpc.authorize, context.invocation_metadata())
+        return self._call(context, self.rpc.cluster_stats)
+
+
+# Concurrent RPCs admitted beyond the router's queue limit, so that Cancel / Health / ListModels /
+# GetClusterStats still get a thread while `max_queue` Generate streams are open.
+CONTROL_HEADROOM = 16
+
+
 class GrpcServer:
     """A started gRPC server and the port it bound (`port=0` picks a free one).
 
-    Args:
-        max_workers: worker threads; each streaming call holds one. Calls beyond it are refused with
-            RESOURCE_EXHAUSTED at once rather than queued (`maximum_concurrent_rpcs`).
+    Each streaming call holds one worker thread for its whole life, so the thread pool and grpc's
+    `maximum_concurrent_rpcs` are both `max_concurrency`: by default the router's `max_queue` plus
+    `CONTROL_HEADROOM` (16) for unary calls. A Generate beyond the queue limit thus reaches the router and
+    gets its RESOURCE_EXHAUSTED ("... the queue limit is N"); calls beyond `max_concurrency` are refused by
+    grpc with RESOURCE_EXHAUSTED at once rather than queued.
+
     Raises:
-        RuntimeError: the address cannot be bound.
+        RuntimeError: the address cannot be bound. ValueError: max_concurrency < 1.
     """
 
-    def __init__(self, servicer: MoerayServicer, host: str = "127.0.0.1", port: int = 0, max_workers: int = 64):
+    def __init__(self, servicer: MoerayServicer, host: str = "127.0.0.1", port: int = 0,
+                 max_concurrency: int | None = None):
+        if max_concurrency is None:
+            max_concurrency = servicer.router.max_queue + CONTROL_HEADROOM
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency={max_concurrency} must be >= 1")
         self.servicer = servicer
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                                  maximum_concurrent_rpcs=max_workers)
+        self.max_concurrency = max_concurrency
+        # ThreadPoolExecutor starts threads on demand, so a large limit costs nothing while idle
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="grpc"),
+                                  maximum_concurrent_rpcs=max_concurrency)
         pb_grpc.add_MoerayServicer_to_server(servicer, self.server)
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
@@ -236,7 +341,7 @@ class GrpcServer:
             raise RuntimeError(f"cannot bind gRPC server to {addr}")
         self.host = host
         self.server.start()
-        log.info("gRPC server on %s:%d", host, self.port)
+        log.info("gRPC server on %s:%d (at most %d concurrent calls)", host, self.port, max_concurrency)
 
     @property
     def address(self) -> str:
@@ -250,9 +355,9 @@ class GrpcServer:
 
 
 def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                      model_name: str | None = None, max_workers: int = 64) -> GrpcServer:
-    """Serve `router` over gRPC; returns the started server (see `GrpcServer`)."""
-    return GrpcServer(MoerayServicer(router, model_name, api_key), host, port, max_workers)
+                      model_name: str | None = None, max_concurrency: int | None = None) -> GrpcServer:
+    """Serve `router` over gRPC; returns the started server (see `GrpcServer` for `max_concurrency`)."""
+    return GrpcServer(MoerayServicer(router, model_name, api_key), host, port, max_concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,14 +373,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"))
-    ap.add_argument("--max-queue", type=int, default=256)
+    ap.add_argument("--max-queue", type=int, default=256, help="requests in flight before RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help=f"concurrent calls (threads) at most; default --max-queue + {CONTROL_HEADROOM}")
     a = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("MOERAY_LOG", "INFO"))
     cfg = ClusterConfig.auto(model=a.model, **({"ranks": a.ranks} if a.ranks else {}))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     router = Router(EPCluster(cfg), max_queue=a.max_queue)
-    server = start_grpc_server(router, a.host, a.port, a.api_key)
+    server = start_grpc_server(router, a.host, a.port, a.api_key, max_concurrency=a.max_concurrency)
     print(f"moeray gRPC on {server.address}", flush=True)
     # a KeyboardInterrupt does not reach a main thread parked in wait_for_termination: wait on signals
     stop = threading.Event()

@@ -18,7 +18,8 @@ chat special tokens).
 Serve: `build_app(args)` (import path `router_service.serve_app:build_app`, used by
 deploy/serve_config.yaml and `moeray serve`) binds `MoerayServer`, a deployment whose replica builds
 one EP cluster in its constructor (a placement group plus one Ray actor per rank, owned by the replica,
-so they go away with it) and serves this app over it.
+so they go away with it) and serves this app over it, plus the `moeray.v1.Moeray` gRPC methods for Serve's
+gRPC proxy (`grpc_options.grpc_servicer_functions: [GRPC_SERVICER_FUNCTION]`; see `MoerayServer`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from actors.messages import TokenOutput
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
-from router_service.grpc_server import api_key_ok, params_error_field, served_model_name
+from router_service.grpc_server import MoerayRpc, RpcError, api_key_ok, params_error_field, served_model_name
 from router_service.http_models import (ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields,
                                         ServeAppArgs)
 from router_service.metrics import Metrics
@@ -53,6 +54,8 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# `grpc_options.grpc_servicer_functions` entry that puts moeray.v1.Moeray on Serve's gRPC proxy
+GRPC_SERVICER_FUNCTION = "router_service.proto.moeray.v1.moeray_pb2_grpc.add_MoerayServicer_to_server"
 
 
 # ---------------------------------------------------------------------------------------------- chat template
@@ -407,12 +410,30 @@ except ImportError:  # pragma: no cover - ray[serve] is a dependency; keep creat
 
 if serve is not None:
 
+    def _fail(grpc_context, e: RpcError):
+        """End a proxied gRPC call with `e`'s status: Serve 2.60 keeps the code set on the context when the
+        method raises (`gRPCStatusError`), and the proxy sends it with the details."""
+        grpc_context.set_code(e.code)
+        grpc_context.set_details(e.details)
+        raise e
+
     @serve.deployment(name="MoerayServer", max_ongoing_requests=300, health_check_period_s=10,
                       health_check_timeout_s=30, ray_actor_options={"num_cpus": 0.25})
     @serve.ingress()
     class MoerayServer:
-        """One replica = one EP cluster (placement group + rank actors, built once here) + the HTTP app
-        (+ the gRPC server if `grpc_port` is set). Several replicas are independent data-parallel copies.
+        """One replica = one EP cluster (placement group + rank actors, built once here), serving
+        - HTTP: the OpenAI-style app (`create_app`) as the Serve ingress;
+        - gRPC through Serve's gRPC proxy: the methods `Generate` (server-streaming), `Cancel`, `Health`,
+          `ListModels`, `GetClusterStats` answer `moeray.v1.Moeray` when the Serve config has `grpc_options`
+          with `GRPC_SERVICER_FUNCTION` (deploy/serve_config.yaml). They reuse `grpc_server.MoerayRpc`, so the
+          status codes, the API key and the abort-on-disconnect behaviour are the standalone server's. Clients
+          send metadata `application: <app name>` (optional while Serve runs one application). With several
+          replicas the proxy may route `Cancel` to a replica that does not hold the request (`found=false`);
+          cancelling the Generate call itself always reaches the right one;
+        - optionally the replica's own gRPC server (`args.grpc_port`), kept for `moeray serve`: Serve 2.60's
+          gRPC proxy binds every interface (`[::]`, no host option), the replica's server binds `grpc_host`
+          (127.0.0.1 by default). One port per replica, so use it with a single replica.
+        Several replicas are independent data-parallel copies.
 
         Raises:
             ValueError: bad arguments or cluster configuration. TimeoutError: ranks cannot be placed.
@@ -426,6 +447,10 @@ if serve is not None:
             self.api_key = self.args.api_key if self.args.api_key is not None else os.environ.get("MOERAY_API_KEY")
             cfg = ClusterConfig(**resolve_args(self.args))
             self.router = Router(EPCluster(cfg), max_queue=self.args.max_queue)
+            # not `self.app`: the ingress wrapper owns that name (a read-only property)
+            self.http_app = create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key)
+            self.http: OpenAIServer = self.http_app.state.server
+            self.rpc = MoerayRpc(self.router, self.args.served_model_name, self.api_key)
             self.grpc = None
             if self.args.grpc_port is not None:
                 from router_service.grpc_server import start_grpc_server
@@ -435,8 +460,49 @@ if serve is not None:
             log.info("MoerayServer up: %s, %d ranks", cfg.model, cfg.ranks)
 
         def __serve_build_asgi_app__(self):
-            return create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key)
+            return self.http_app
 
+        # ------------------------------------------------------ moeray.v1.Moeray behind Serve's gRPC proxy
+        async def _unary(self, grpc_context, fn, *args, auth: bool = True):
+            """Run a blocking `MoerayRpc` call off the event loop; its RpcError ends the call (`_fail`)."""
+            try:
+                if auth:
+                    self.rpc.authorize(grpc_context.invocation_metadata())
+                return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+            except RpcError as e:
+                _fail(grpc_context, e)
+
+        async def Generate(self, request, grpc_context):
+            """Server-streaming `Generate`: one `GenerateResponse` per output. A client that cancels,
+            disconnects or passes its deadline cancels this generator (Serve raises CancelledError in it),
+            and `call.close()` aborts the request on its rank."""
+            call = await self._unary(grpc_context, self.rpc.start, request)
+            try:
+                async with aclosing(self.http.outputs([call.stream])) as outs:  # shares the latency metrics
+                    async for _, o in outs:
+                        try:
+                            resp = call.response(o)
+                        except RpcError as e:
+                            _fail(grpc_context, e)
+                        yield resp
+                        if call.finished:
+                            return
+            finally:
+                call.close()
+
+        async def Cancel(self, request, grpc_context):
+            return await self._unary(grpc_context, self.rpc.cancel, request)
+
+        async def Health(self, request, grpc_context):
+            return await self._unary(grpc_context, self.rpc.health, auth=False)  # probes need no key
+
+        async def ListModels(self, request, grpc_context):
+            return await self._unary(grpc_context, self.rpc.list_models)
+
+        async def GetClusterStats(self, request, grpc_context):
+            return await self._unary(grpc_context, self.rpc.cluster_stats)
+
+        # ------------------------------------------------------ Serve hooks
         def check_health(self) -> None:
             """Serve's replica health check. The router rebuilds a failed EP group itself (see
             `router_service.router`), so the replica stays healthy while it does; it is reported unhealthy

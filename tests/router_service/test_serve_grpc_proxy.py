@@ -1,0 +1,129 @@
+"""`moeray.v1.Moeray` through Ray Serve's own gRPC proxy (one replica owning a 1-rank tiny cluster), with
+the `grpc_options` of deploy/serve_config.yaml on a free port: streaming Generate, ListModels, Health,
+GetClusterStats, a bad request (INVALID_ARGUMENT naming the field), a client cancel that frees the KV
+blocks, and the API key."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import grpc
+import pytest
+import yaml
+
+from router_service.proto.moeray.v1 import moeray_pb2 as pb
+from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.ray
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+APP = "moeray"
+KEY = "proxy-s3cret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def md(key: str | None = KEY) -> list[tuple[str, str]]:
+    """Metadata of a proxied call: the Serve application, plus the API key."""
+    out = [("application", APP)]
+    if key is not None:
+        out.append(("authorization", f"Bearer {key}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stub(ray_session, tiny_moe_dir):
+    from ray import serve
+
+    from router_service.http_models import ServeAppArgs
+    from router_service.serve_app import build_app
+
+    with open(os.path.join(REPO, "deploy", "serve_config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    (app_cfg,) = cfg["applications"]
+    # Serve's gRPC proxy binds [::]:port (no host option in Serve 2.60): a free port keeps the test private enough
+    grpc_options = {**cfg["grpc_options"], "port": _free_port()}
+    args = ServeAppArgs.model_validate({**app_cfg["args"], "model": tiny_moe_dir, "ranks": 1, "api_key": KEY,
+                                       "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
+    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, grpc_options=grpc_options)
+    try:
+        serve.run(build_app(args), name=APP, route_prefix="/")  # returns once the replica is up
+        ch = grpc.insecure_channel(f"127.0.0.1:{grpc_options['port']}")
+        grpc.channel_ready_future(ch).result(timeout=60)
+        yield pb_grpc.MoerayStub(ch)
+        ch.close()
+    finally:
+        serve.shutdown()
+
+
+def _wait_idle(stub, timeout_s: float = 30.0) -> pb.ClusterStats:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = stub.GetClusterStats(pb.GetClusterStatsRequest(), timeout=10, metadata=md())
+        if (s.in_flight == 0 and s.kv_blocks_free == s.kv_blocks_total) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def test_generate_streams_through_the_proxy(stub):
+    req = pb.GenerateRequest(text="To be", sampling=pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    out = list(stub.Generate(req, timeout=60, metadata=md()))
+    assert len(out) >= 2  # streamed, not one final message
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in out[:-1])
+    assert sum(len(r.token_ids) for r in out) == 6 == out[-1].usage.completion_tokens
+    assert len({r.request_id for r in out}) == 1 and out[0].request_id
+    # greedy: the same prompt gives the same text again
+    again = list(stub.Generate(req, timeout=60, metadata=md()))
+    assert "".join(r.text for r in again) == "".join(r.text for r in out)
+
+
+def test_list_models_health_and_stats(stub, tiny_moe_dir):
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=md()).models
+    assert [m.id for m in models] == [os.path.basename(os.path.normpath(tiny_moe_dir))] and models[0].ranks == 1
+    h = stub.Health(pb.HealthRequest(), timeout=30, metadata=md(key=None))  # probes need no key
+    assert h.status == pb.HealthResponse.STATUS_SERVING and [r.rank for r in h.ranks] == [0]
+    s = _wait_idle(stub)
+    assert len(s.ranks) == 1 and s.kv_blocks_total > 0 and s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_bad_request_is_invalid_argument_naming_the_field(stub):
+    req = pb.GenerateRequest(text="To be", sampling=pb.SamplingParams(max_tokens=100000))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(req, timeout=30, metadata=md()))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("max_tokens: ") and "context window" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.Cancel(pb.CancelRequest(), timeout=30, metadata=md())
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith("request_id: ")
+
+
+def test_api_key_is_required(stub):
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=md(key=None))
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(pb.GenerateRequest(text="To be"), timeout=30, metadata=md(key="wrong")))
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_client_cancel_aborts_and_frees_kv_blocks(stub):
+    """Cancelling the call at the client aborts the request on its rank through the proxy: the rank stops
+    stepping long before max_tokens, and every KV block is free again."""
+    steps0 = sum(r.steps for r in _wait_idle(stub).ranks)
+    call = stub.Generate(pb.GenerateRequest(text="To be", sampling=pb.SamplingParams(
+        max_tokens=240, temperature=0, ignore_eos=True)), timeout=120, metadata=md())
+    got = 0
+    for r in call:
+        got += len(r.token_ids)
+        if got >= 2:
+            break
+    call.cancel()
+    s = _wait_idle(stub)
+    assert s.in_flight == 0 and s.kv_blocks_free == s.kv_blocks_total
+    assert 2 <= sum(r.steps for r in s.ranks) - steps0 < 120  # one step per token: it did not run to 240
