@@ -65,8 +65,10 @@ from router_service.routing.prefetch import (
     PREDICTORS,
     TRANSITIONS_FILE,
     ExpertPredictor,
+    LookaheadPredictor,
     RoutingTrace,
     TransitionCounts,
+    fit_loglinear,
     make_predictor,
 )
 from router_service.routing.stats import RoutingStats, jaccard_distance
@@ -171,6 +173,18 @@ class ExpertCache:
         with self._lock:
             return sum(t.numel() * t.element_size() for w in self._ready.values() for t in w
                        if isinstance(t, torch.Tensor))
+
+    def put(self, e: int, w: tuple, protect: set[int] = frozenset()) -> bool:
+        """Insert an entry the caller already dequantized (a miss on the reference path), evicting one not in
+        `protect` if full. Returns True if it was inserted (False: resident already, capacity 0, or no victim)."""
+        protect = set(protect)
+        with self._lock:
+            if e in self._ready or self.capacity == 0 or not self._admit(e, protect, False):
+                return False
+            if len(self._ready) >= self.capacity:
+                del self._ready[self._victim(protect | {e})]
+            self._ready[e] = w
+            return True
 
     def _victim(self, exclude: set[int]) -> int | None:
         return _pick_victim(self.policy, [e for e in self._ready if e not in exclude], self._last, self._uses,
@@ -496,6 +510,9 @@ class PackedLayerExperts:
         self.num_local = 0 if src is None else src.num_experts
         self.intermediate = 0 if src is None else src.intermediate_size
         self._ffn, self._deq = _kernel_ops(backend)
+        # The reference miss path dequantizes the whole expert anyway: it computes on the dequantized pair and
+        # hands it to the cache itself, so a demand fill costs nothing more (the worker would dequantize again).
+        self.inline_fill = backend == "torch"
         self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
         self.demand_fill = demand_fill
         self._lock = threading.Lock()
@@ -576,6 +593,17 @@ class PackedLayerExperts:
             self._cold_ffn(xs, ys, counts, bounds, misses)
             if self.demand_fill and self.cache.capacity:
                 self.request(misses, protect=set(used), prefetch=False)
+        elif misses and self.inline_fill:
+            protect = set(used)
+            for e in misses:
+                gu, dn = self._deq(self.packed.gate_up[e], self.dtype), self._deq(self.packed.down[e], self.dtype)
+                lo, hi = bounds[e], bounds[e + 1]
+                g, u = F.linear(xs[lo:hi], gu).split(self.intermediate, dim=1)
+                h = (F.silu(g.float()) * u.float()).to(xs.dtype)
+                ys[lo:hi] = F.linear(h, dn)
+                if self.demand_fill and self.cache.put(e, (gu, dn), protect):
+                    with self._lock:
+                        self.stats.add_fills(self.layer, 1)
         elif misses:
             miss_counts = torch.zeros_like(counts)
             miss_counts[misses] = counts[misses]
@@ -914,14 +942,31 @@ def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bit
     return PackedExperts(gate_up=quantize(w_gate_up, **kw), down=quantize(w_down, **kw))
 
 
+def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) -> str:
+    """The predictor `prefetch="auto"` picks: "none" when every expert fits (`full`); else DEFAULT_PREDICTOR on
+    CUDA or with a cold tier (`cold`), and "none" for a CPU rank whose packed experts are all resident.
+
+    Why: on CUDA a fill runs on the worker's own stream, overlapped with the forward, so a predicted expert
+    arrives at no cost to the step. On CPU a fill is a full dequantize on a core the forward needs (and the
+    prediction and bookkeeping are Python under the GIL): it costs as much as the miss it might avoid, so
+    prefetching ahead cannot save time; the LRU cache filled inline by misses (`PackedLayerExperts.inline_fill`)
+    is the fastest (measured on 2 shared CPU cores, tiny-moe, bench/experts.py: C = E/2 with hybrid prefetch
+    is slower than without). A cold tier keeps the predictor everywhere: a cold miss makes the forward wait for a
+    read from the checkpoint file, which a prefetched read (a copy, no dequantize) hides.
+    """
+    if full:
+        return "none"
+    return DEFAULT_PREDICTOR if cold or torch.device(device).type == "cuda" else "none"
+
+
 def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], packed: list[PackedExperts | None],
                   model_path: str | None, capacity: int | None, prefetch: str = "auto", policy: str | None = None,
                   backend: str = "torch", async_prefetch: bool = True,
                   counts: TransitionCounts | None = None, **runtime_kw) -> ExpertRuntime:
     """An ExpertRuntime for `model` (not yet attached).
 
-    `prefetch="auto"` picks DEFAULT_PREDICTOR when the cache (or, with a cold tier, the packed resident set)
-    cannot hold every local expert, else none.
+    `prefetch="auto"` picks `auto_prefetch(model.device, full)`: none when the cache (and, with a cold tier, the
+    packed resident set) holds every local expert, else DEFAULT_PREDICTOR on CUDA and none on CPU.
     Markov counts come from `counts`, else `<model_path>/expert_transitions.safetensors` when present, else
     start at zero (learned online).
     Raises:
@@ -933,7 +978,7 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
     if prefetch == "auto":
         resident = runtime_kw.get("resident")
         full = (capacity is None or capacity >= mc.num_experts) and (resident is None or resident >= mc.num_experts)
-        prefetch = "none" if full else DEFAULT_PREDICTOR
+        prefetch = auto_prefetch(model.device, full, cold=resident is not None and resident < mc.num_experts)
     if counts is None and model_path and os.path.isfile(os.path.join(model_path, TRANSITIONS_FILE)):
         counts = TransitionCounts.load(os.path.join(model_path, TRANSITIONS_FILE))
         if counts.freq.shape != (mc.num_layers, mc.num_experts):
@@ -1059,11 +1104,18 @@ def transitions_from_traces(traces: list[RoutingTrace], num_layers: int, num_exp
 
 def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = None,
               meta: dict | None = None) -> TransitionCounts:
-    """Calibration run: route `token_chunks` through the model and count expert transitions; optionally
-    save them (`out_path`, usually `<model>/expert_transitions.safetensors`)."""
+    """Calibration run: route `token_chunks` through the model, count expert transitions and fit the Markov /
+    hybrid predictors' log-linear weights on them (`fit_loglinear`, block-prequential); optionally save both
+    (`out_path`, usually `<model>/expert_transitions.safetensors`)."""
     mc = engine.model.cfg
-    traces = [record_routing(engine, ch)[0] for ch in token_chunks if len(ch) > 1]
+    traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
+    w = engine.model.w
+    look = LookaheadPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers,
+                              gate_weights=[w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)],
+                              norm_weights=[w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)],
+                              norm_eps=mc.rms_norm_eps)
+    counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look)
     if out_path:
         counts.save(out_path, meta)
     return counts

@@ -9,16 +9,18 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
     calibration run here on training text (standard-library code outside the held-out packages, and prose
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
-    at C = E, E/2, E/4 cached per layer, without prefetch (LRU cache) and with the default prefetcher
-    (predicted-score eviction), plus LRU / LFU eviction with the default prefetcher at C = E/4; hit rates,
+    at C = E, E/2, E/4 cached per layer, without prefetch (LRU cache), with `prefetch="auto"` (the default:
+    `actors.expert_store.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
+    predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
     wasted prefetches and thrashing alongside.
 
     python bench/experts.py --model /tmp/tiny-moe-interim --quick
 
 Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code=.. markov_recall=..
-lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=..` (dppl: perplexity change in
-percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both domains; slowdown = batch-1
-TPOT at C = E/2 with the default prefetcher / at C = E).
+lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..`
+(dppl: perplexity change in percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both
+domains; slowdown = batch-1 TPOT at C = E/2 with the default (auto) prefetcher / at C = E, same run; _hybrid:
+with the default predictor forced).
 """
 from __future__ import annotations
 
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                 if b == 1:
                     rec, waste = s["recall"], s["wasted_prefetch_frac"]
                 policy = s["policy"] if policy is None else policy
+        if packed is not None and pf == "auto":
+            pf = f"auto:{s['predictor']}"
         tpot[(label, C, pf, policy)] = vals
         print(f"{label:>12} {('-' if C is None else C):>3} {pf:>9} {(policy or '-'):>9} {vals[1]:>8.2f} "
               f"{vals[8]:>8.2f} {fmt(hits.get(1, float('nan')), 3):>7} {fmt(hits.get(8, float('nan')), 3):>7} "
@@ -298,23 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     row("full prec.", None, "-", None, None)
     packed = inst.packed(a.decode_bits, a.group_size, False)
     full = row("packed", E, "none", None, packed)
-    half = None
+    half = half_pred = None
     for C in (E // 2, E // 4):
         row("packed", C, "none", None, packed)
-        v = row("packed", C, DEFAULT_PREDICTOR, None, packed)
+        v = row("packed", C, "auto", None, packed)  # the default: auto_prefetch's rule for this device
+        vp = row("packed", C, DEFAULT_PREDICTOR, None, packed)
         if C == E // 2:
-            half = v
+            half, half_pred = v, vp
     for policy in ("lru", "lfu"):
         row("packed", E // 4, DEFAULT_PREDICTOR, policy, packed)
     inst.restore()
-    slowdown = half[1] / full[1]
-    print(f"\nbatch-1 slowdown at C=E/2 with {DEFAULT_PREDICTOR} prefetch vs C=E: {slowdown:.3f}x; "
-          f"total {time.perf_counter() - t_start:.0f} s")
+    slowdown, slowdown_pred = half[1] / full[1], half_pred[1] / full[1]
+    print(f"\nbatch-1 slowdown vs C=E (same run): C=E/2 with the default (auto) prefetcher {slowdown:.3f}x, "
+          f"with {DEFAULT_PREDICTOR} prefetch {slowdown_pred:.3f}x; total {time.perf_counter() - t_start:.0f} s")
     r = {"dppl4_prose": dppl[(4, False)]["prose"], "dppl4_code": dppl[(4, False)]["code"],
          "dppl3_prose": dppl[(3, False)]["prose"], "dppl3_code": dppl[(3, False)]["code"],
          "markov_recall": mean_recall["markov"], "lookahead_recall": mean_recall["lookahead"],
          "frequent_recall": mean_recall["frequent"], "best_recall": max(mean_recall.values()),
-         "half_cache_slowdown": slowdown}
+         "half_cache_slowdown": slowdown, "half_cache_slowdown_hybrid": slowdown_pred}
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in r.items()))
     return 0
 

@@ -15,14 +15,15 @@ Predictors (all evaluated prequentially by `prequential_eval`: each prediction i
 routed at that layer, and the predictor learns from the truth right after):
   none      - predicts nothing (baseline: every non-resident expert is a miss).
   frequent  - the layer's most used experts so far (calibration counts + online counts).
-  markov    - first-order Markov chains over expert sets: P(b at l | a at previous MoE layer, same token)
-              and P(b at l | a at l, previous token), mixed; counts seeded from a calibration run on
-              training text and updated online (ProMoE arXiv 2410.22134 and "Exploiting inter-layer expert
-              affinity" arXiv 2401.08383 report these chains are strongly non-uniform; the layer-to-layer
-              chain is the one ExFlow uses).
+  markov    - first-order Markov chains over expert sets: P(b at l | set at the previous MoE layer, same token)
+              and P(b at l | set at l, previous token), combined log-linearly (summed PMI terms, naive-Bayes
+              style) with per-layer weights fitted on calibration text (`fit_loglinear`); counts seeded from
+              a calibration run on training text (a prior worth at most 256 tokens) and updated online (ProMoE
+              arXiv 2410.22134 and "Exploiting inter-layer expert affinity" arXiv 2401.08383 report these
+              chains are strongly non-uniform; the layer-to-layer chain is the one ExFlow uses).
   lookahead - the next layer's gate applied to the current hidden state (mixtral-offloading, Eliseev &
               Mazur 2023, arXiv 2312.17238: hidden states change little between adjacent layers).
-  hybrid    - markov and lookahead distributions mixed, with a per-layer weight learned online.
+  hybrid    - markov and lookahead in one log-linear model (a product of experts), weights fitted per layer.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from router_service.routing.stats import RoutingStats, multi_hot
 
@@ -53,6 +55,8 @@ class TransitionCounts:
     intra: `[L, E, E]`, intra[l, a, b] = (previous token used a, token used b) at layer l, same sequence.
     freq: `[L, E]`, freq[l, b] = tokens that used b at layer l.
     tokens: tokens observed (at any one layer).
+    weights: log-linear weights fitted on the calibration run (`fit_loglinear`): predictor name ("markov",
+        "hybrid") -> per layer a list of floats; saved in the file's metadata; None when not fitted.
     Raises (in `__post_init__`): ValueError naming a field whose shape disagrees with `freq`.
     """
 
@@ -60,6 +64,7 @@ class TransitionCounts:
     intra: torch.Tensor
     freq: torch.Tensor
     tokens: int = 0
+    weights: dict | None = None
 
     def __post_init__(self) -> None:
         L, E = self.freq.shape
@@ -84,7 +89,7 @@ class TransitionCounts:
 
     def clone(self) -> TransitionCounts:
         return TransitionCounts(inter=self.inter.clone(), intra=self.intra.clone(), freq=self.freq.clone(),
-                                tokens=self.tokens)
+                                tokens=self.tokens, weights=self.weights)
 
     def observe(self, layer: int, ids_TK: torch.Tensor, prev_layer_ids_TK: torch.Tensor | None,
                 prev_token_ids_TK: torch.Tensor | None) -> None:
@@ -100,11 +105,13 @@ class TransitionCounts:
             self.tokens += ids_TK.shape[0]  # counted once per token: at the first layer that routes
 
     def save(self, path: str, meta: dict | None = None) -> None:
-        """Write a safetensors file (counts + json metadata: layers, experts, tokens, anything in `meta`)."""
+        """Write a safetensors file (counts + json metadata: layers, experts, tokens, fitted weights, `meta`)."""
         from safetensors.torch import save_file
 
         md = {"num_layers": str(self.num_layers), "num_experts": str(self.num_experts), "tokens": str(self.tokens),
               "meta": json.dumps(meta or {})}
+        if self.weights:
+            md["weights"] = json.dumps(self.weights)
         save_file({"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()},
                   path, metadata=md)
 
@@ -118,7 +125,27 @@ class TransitionCounts:
         with safe_open(path, "pt") as f:
             md = f.metadata() or {}
             t = {k: f.get_tensor(k).double() for k in ("inter", "intra", "freq")}
-        return cls(**t, tokens=int(md.get("tokens", 0)))
+        w = json.loads(md["weights"]) if "weights" in md else None
+        return cls(**t, tokens=int(md.get("tokens", 0)), weights=w)
+
+
+# Log-linear weights used when the calibration file has none: naive Bayes over the previous layer's set (1.0),
+# the previous token's set at half weight (consecutive tokens share under half their experts on tiny-moe), and
+# the lookahead at the weight the calibration fit found on tiny-moe (about 2: the gate is sharper than its softmax).
+DEFAULT_WEIGHTS = {"markov": (1.0, 0.5), "hybrid": (1.0, 0.5, 2.0)}
+
+
+def _layer_weights(name: str, num_layers: int, num_features: int, weights, counts) -> torch.Tensor:
+    """`[L, F]` float32 log-linear weights: given, else fitted in `counts`, else DEFAULT_WEIGHTS[name]."""
+    if weights is None and counts is not None and counts.weights and name in counts.weights:
+        weights = counts.weights[name]
+    if weights is None:
+        weights = [DEFAULT_WEIGHTS[name]] * num_layers
+    w = torch.as_tensor(weights, dtype=torch.float32)
+    if tuple(w.shape) != (num_layers, num_features):
+        raise ValueError(f"{name} weights shape={tuple(w.shape)}, expected (num_layers, {num_features}) = "
+                         f"{(num_layers, num_features)}")
+    return w
 
 
 class ExpertPredictor(ABC):
@@ -203,46 +230,79 @@ class FrequencyPredictor(ExpertPredictor):
 
 
 class MarkovPredictor(FrequencyPredictor):
-    """Markov chains over expert sets, layer-to-layer (same token) and token-to-token (same layer).
+    """Markov chains over expert sets, layer-to-layer (same token) and token-to-token (same layer), combined
+    log-linearly with per-layer weights fitted on calibration text.
 
-    score(b) = [w_inter * mean_{a in prev layer set} P_inter(b | a) + w_intra * mean_{a in prev token set}
-    P_intra(b | a) + eps * P(b)] / (weights of the terms present + eps); each P is a row-normalised count
-    matrix with additive smoothing `alpha`, P(b) the layer's expert frequency. A token with neither context
-    falls back to the frequency ranking.
+    For a token whose previous MoE layer used the set A and whose predecessor (same layer) used the set B:
+        score(b) = log P(b) + w_inter * sum_{a in A} PMI_inter(a, b) + w_intra * sum_{a in B} PMI_intra(a, b)
+    with PMI(a, b) = log P(b | a) - log P(b) from the count matrices (additive smoothing `alpha`) and P(b) the
+    layer's expert frequency. With w = 1 this is the naive-Bayes estimate of P(b | A, B) (set members
+    treated as independent evidence); the fitted weights (`fit_loglinear`, saved with the calibration counts)
+    correct for their dependence. A missing context contributes nothing (a token with neither context gets
+    the frequency ranking). Measured on tiny-moe held-out text (quick bench): the log-linear set model
+    recalls 0.81 at budget k + 1, the old mean of per-expert rows 0.73: a top-k set carries more information
+    jointly than its members do on average.
+
+    Args (beyond FrequencyPredictor): weights: `[L, 2]` (w_inter, w_intra) per layer, else
+        `counts.weights["markov"]` when the calibration fitted them, else DEFAULT_WEIGHTS["markov"].
+        alpha: additive smoothing of every count row (> 0).
+    Raises:
+        ValueError: alpha <= 0, or weights not of shape `[L, 2]`.
     """
 
     name = "markov"
+    num_features = 2
 
     def __init__(self, num_layers, num_experts, top_k, moe_layers=None, counts: TransitionCounts | None = None,
-                 w_inter: float = 1.0, w_intra: float = 1.0, alpha: float = 0.5, eps: float = 1e-3,
-                 prior_tokens: float | None = 256):
+                 weights=None, alpha: float = 0.5, prior_tokens: float | None = 256):
         super().__init__(num_layers, num_experts, top_k, moe_layers, counts, prior_tokens)
         if alpha <= 0:
             raise ValueError(f"alpha={alpha} must be > 0")
-        self.w_inter, self.w_intra, self.alpha, self.eps = w_inter, w_intra, alpha, eps
+        self.alpha = alpha
+        self.weights = _layer_weights(self.name, num_layers, self.num_features, weights, counts)
+        self._pmi_cache: dict[int, tuple] = {}
+        self._version = [0] * num_layers
 
-    def _rows(self, m_EE: torch.Tensor) -> torch.Tensor:
-        m = m_EE.float() + self.alpha
-        return m / m.sum(-1, keepdim=True)
+    def _tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log P(b) `[E]`, PMI_inter `[E, E]`, PMI_intra `[E, E]`) float32, rebuilt only after new counts."""
+        hit = self._pmi_cache.get(layer)
+        if hit is not None and hit[0] == self._version[layer]:
+            return hit[1]
+        c, a = self.counts, self.alpha
+        f = c.freq[layer] + a
+        logf = (f / f.sum()).log()
+        out = [logf.float()]
+        for m in (c.inter[layer], c.intra[layer]):
+            m = m + a
+            out.append(((m / m.sum(-1, keepdim=True)).log() - logf).float())
+        self._pmi_cache[layer] = (self._version[layer], tuple(out))
+        return tuple(out)
 
-    def _term(self, ids_TK: torch.Tensor, m_EE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = multi_hot(ids_TK.cpu(), self.num_experts).float()  # [T, E]
-        n = h.sum(1, keepdim=True)
-        return (h @ self._rows(m_EE)) / n.clamp(min=1), (n > 0).float()  # [T, E], [T, 1]
+    def features(self, layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens) -> tuple[torch.Tensor, list]:
+        """(log P(b) `[E]`, [g_inter `[T, E]` or None, g_intra `[T, E]` or None]): the summed PMI terms."""
+        logf, pmi_inter, pmi_intra = self._tables(layer)
+        g = []
+        for ids, pmi in ((prev_layer_ids_TK, pmi_inter), (prev_token_ids_TK, pmi_intra)):
+            g.append(None if ids is None else multi_hot(ids.cpu(), self.num_experts).float() @ pmi)
+        return logf, g
+
+    def logits(self, layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens) -> torch.Tensor:
+        """`[T, E]` float32 unnormalised log-probabilities (the formula in the class docstring)."""
+        logf, g = self.features(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens)
+        s = logf.expand(num_tokens, -1).clone()
+        w = self.weights[layer]
+        for i, gi in enumerate(g):
+            if gi is not None:
+                s += float(w[i]) * gi
+        return s
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
-        f = self.counts.freq[layer].float() + self.alpha
-        s = self.eps * (f / f.sum()).expand(num_tokens, -1).clone()
-        w = torch.full((num_tokens, 1), self.eps)
-        if prev_layer_ids_TK is not None and self.w_inter > 0:
-            p, present = self._term(prev_layer_ids_TK, self.counts.inter[layer])
-            s += self.w_inter * p * present
-            w += self.w_inter * present
-        if prev_token_ids_TK is not None and self.w_intra > 0:
-            p, present = self._term(prev_token_ids_TK, self.counts.intra[layer])
-            s += self.w_intra * p * present
-            w += self.w_intra * present
-        return s / w
+        """`[T, E]` float32 probabilities (softmax of `logits`)."""
+        return torch.softmax(self.logits(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens), dim=-1)
+
+    def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
+        super().observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+        self._version[layer] += 1
 
     def probabilities(self, *a) -> torch.Tensor:
         """`scores` (already a distribution over E per token)."""
@@ -271,62 +331,65 @@ class LookaheadPredictor(ExpertPredictor):
         self.norm = [None if n is None else n.detach().float().cpu() for n in (norm_weights or [None] * num_layers)]
         self.norm_eps = norm_eps
 
-    def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
-        if hidden_TD is None or self.gate[layer] is None:
-            return torch.full((num_tokens, self.num_experts), 1.0 / self.num_experts)
+    def log_probs(self, layer: int, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """`[T, E]` float32 log softmax(gate_l(rmsnorm_l(h))) (layer must have a gate)."""
         h = hidden_TD.detach().float().cpu()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         if self.norm[layer] is not None:
             h = h * self.norm[layer]
-        return torch.softmax(h @ self.gate[layer].T, dim=-1)
+        return torch.log_softmax(h @ self.gate[layer].T, dim=-1)
+
+    def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
+        if hidden_TD is None or self.gate[layer] is None:
+            return torch.full((num_tokens, self.num_experts), 1.0 / self.num_experts)
+        return self.log_probs(layer, hidden_TD).exp()
 
 
 class HybridPredictor(ExpertPredictor):
-    """Per-layer mixture of the Markov and lookahead distributions: p = (1 - lam_l) p_markov + lam_l p_lookahead.
+    """Markov chains and lookahead in one log-linear model (a product of experts, not a mixture):
 
-    With `adaptive`, lam_l is learned online by gradient ascent on the mixture's log-likelihood of the experts
-    each layer actually routed to (d log p / d lam = (p_lookahead - p_markov) / p), clipped to [0.05, 0.95]:
-    lookahead is strong where adjacent layers' hidden states are similar, Markov where routing is sticky, and
-    which one wins differs per layer and domain. `scores` remembers both components of the last prediction per
-    layer; `observe` of the same tokens updates lam_l from them.
+        score(b) = log P(b) + w_inter * g_inter(b) + w_intra * g_intra(b) + w_look * log p_lookahead(b)
+
+    with the Markov terms of `MarkovPredictor` and p_lookahead the next gate's softmax on the current hidden
+    state; per-layer weights fitted on calibration text (`fit_loglinear`). A product keeps an expert only if
+    both sources find it plausible, so each vetoes the other's confident mistakes; a mixture only averages
+    them (measured on tiny-moe held-out text, quick bench: product 0.89-0.91 recall, mixture 0.88). Without
+    a hidden state (the first MoE layer) it is the Markov predictor with the hybrid's weights.
+
+    Args:
+        markov, lookahead: the two sources (share L, E, K). weights: `[L, 3]`, else `counts.weights["hybrid"]`,
+            else DEFAULT_WEIGHTS["hybrid"]. counts: the calibration counts (for their fitted weights).
+    Raises:
+        ValueError: weights not of shape `[L, 3]`.
     """
 
     name = "hybrid"
+    num_features = 3
 
-    def __init__(self, markov: MarkovPredictor, lookahead: LookaheadPredictor, w_lookahead: float = 0.5,
-                 adaptive: bool = True, lr: float = 0.05):
+    def __init__(self, markov: MarkovPredictor, lookahead: LookaheadPredictor, weights=None,
+                 counts: TransitionCounts | None = None):
         super().__init__(markov.num_layers, markov.num_experts, markov.top_k, markov.moe_layers)
-        if not 0 <= w_lookahead <= 1:
-            raise ValueError(f"w_lookahead={w_lookahead} must be in [0, 1]")
-        self.markov, self.lookahead, self.adaptive, self.lr = markov, lookahead, adaptive, lr
-        self.lam = [w_lookahead] * markov.num_layers
-        self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.markov, self.lookahead = markov, lookahead
+        self.weights = _layer_weights(self.name, markov.num_layers, self.num_features, weights, counts)
+
+    def logits(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens) -> torch.Tensor:
+        """`[T, E]` float32 unnormalised log-probabilities (class docstring)."""
+        logf, g = self.markov.features(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens)
+        if hidden_TD is not None and self.lookahead.gate[layer] is not None:
+            g.append(self.lookahead.log_probs(layer, hidden_TD))
+        s = logf.expand(num_tokens, -1).clone()
+        w = self.weights[layer]
+        for i, gi in enumerate(g):
+            if gi is not None:
+                s += float(w[i]) * gi
+        return s
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
-        a = (prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens)
-        pm = self.markov.scores(layer, *a)
-        if hidden_TD is None:
-            self._last.pop(layer, None)
-            return pm
-        pl = self.lookahead.scores(layer, *a)
-        self._last[layer] = (pm, pl)
-        lam = self.lam[layer]
-        return (1 - lam) * pm + lam * pl
+        """`[T, E]` float32 probabilities (softmax of `logits`)."""
+        return torch.softmax(self.logits(layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens), -1)
 
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         self.markov.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
-        last = self._last.pop(layer, None)
-        if not self.adaptive or last is None or last[0].shape[0] != ids_TK.shape[0]:
-            return
-        pm, pl = last
-        ids = ids_TK.cpu()
-        valid = ids >= 0
-        idx = ids.clamp(min=0)
-        m, lk = pm.gather(1, idx)[valid], pl.gather(1, idx)[valid]
-        if m.numel():
-            lam = self.lam[layer]
-            grad = float(((lk - m) / ((1 - lam) * m + lam * lk).clamp(min=1e-6)).mean())
-            self.lam[layer] = min(0.95, max(0.05, lam + self.lr * grad))
 
 
 def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None,
@@ -348,7 +411,8 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
         if gate_weights is None:
             raise ValueError(f"prefetch={name!r} needs the routers' gate_weights")
         look = LookaheadPredictor(**kw, gate_weights=gate_weights, norm_weights=norm_weights, norm_eps=norm_eps)
-        return look if name == "lookahead" else HybridPredictor(MarkovPredictor(**kw, counts=counts), look)
+        return look if name == "lookahead" else HybridPredictor(MarkovPredictor(**kw, counts=counts), look,
+                                                                counts=counts)
     raise ValueError(f"prefetch={name!r} is not a known predictor (expected one of {PREDICTORS})")
 
 
@@ -394,4 +458,62 @@ def prequential_eval(predictors: dict[str, ExpertPredictor], traces: list[Routin
                         pred = p.predict(l, prev_layer, prev_tok, hidden, 1, budget)
                         out[name].add_prediction(l, pred, true, p.num_experts)
                     p.observe(l, true, prev_layer, prev_tok)
+    return out
+
+
+def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int, top_k: int, *,
+                  lookahead: LookaheadPredictor | None = None, alpha: float = 0.5, steps: int = 200) -> dict:
+    """Fit the per-layer log-linear weights of `MarkovPredictor` and `HybridPredictor` on calibration traces.
+
+    Features are computed block-prequentially: each sequence is scored with the counts of the sequences before
+    it only (starting from zero counts), so a token never informs its own prediction and the fit sees the
+    counts as sparse as they are early in serving. Then per layer the weights minimise a pairwise ranking
+    loss, mean softplus(score(unused) - score(used)) (full-batch Adam, `steps` steps, from the defaults).
+
+    Args:
+        traces: calibration sequences (training text, never the evaluation text); hidden states are needed for
+            the hybrid's lookahead term (without them, or without `lookahead`, only "markov" is fitted).
+    Returns:
+        {"markov": `[L][2]` floats, "hybrid": `[L][3]` floats (when fitted)}; dense layers keep the defaults.
+    """
+    m = MarkovPredictor(num_layers, num_experts, top_k, alpha=alpha, prior_tokens=None)
+    feats: dict[int, list] = {}  # layer -> [(logf [E], g [T, F, E], multi-hot truth [T, E])]
+    for tr in traces:
+        moe = [l for l in range(num_layers) if bool((tr.ids[:, l] >= 0).any())]
+        T = tr.ids.shape[0]
+        for i, l in enumerate(moe[1:], 1):
+            pl = moe[i - 1]
+            prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
+            logf, g = m.features(l, tr.ids[:, pl], prev_tok, T)
+            cols = [g[0], g[1]]
+            if lookahead is not None and tr.hidden is not None and lookahead.gate[l] is not None:
+                cols.append(lookahead.log_probs(l, tr.hidden[:, pl]))
+            feats.setdefault(l, []).append((logf, torch.stack(cols, 1), multi_hot(tr.ids[:, l], num_experts).float()))
+        for i, l in enumerate(moe):
+            prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
+            m.observe(l, tr.ids[:, l], tr.ids[:, moe[i - 1]] if i else None, prev_tok)
+    out = {"markov": [list(DEFAULT_WEIGHTS["markov"]) for _ in range(num_layers)]}
+    hybrid = all(f[1].shape[1] == 3 for v in feats.values() for f in v) and bool(feats)
+    if hybrid:
+        out["hybrid"] = [list(DEFAULT_WEIGHTS["hybrid"]) for _ in range(num_layers)]
+    for l, rows in feats.items():
+        logf = torch.cat([r[0].expand(r[1].shape[0], -1) for r in rows])  # [N, E]
+        g = torch.cat([r[1] for r in rows])  # [N, F, E]
+        y = torch.cat([r[2] for r in rows])  # [N, E]
+        for name, nf in (("markov", 2), ("hybrid", 3)):
+            if name not in out:
+                continue
+            w = torch.tensor(DEFAULT_WEIGHTS[name], requires_grad=True)
+            opt = torch.optim.Adam([w], lr=0.05)
+            for _ in range(steps):
+                opt.zero_grad()
+                s = logf + torch.einsum("f,nfe->ne", w, g[:, :nf])
+                # Pairwise ranking loss (used expert above unused one): prefetch keeps the top k + 1, so the
+                # ranking matters, not calibrated probabilities (a likelihood fit damps the sharp lookahead).
+                margin = s.unsqueeze(2) - s.unsqueeze(1)  # [N, E, E]: s(used) - s(other)
+                pairs = y.unsqueeze(2) * (1 - y).unsqueeze(1)
+                loss = (F.softplus(-margin) * pairs).sum() / pairs.sum()
+                loss.backward()
+                opt.step()
+            out[name][l] = [round(float(x), 4) for x in w.detach()]
     return out

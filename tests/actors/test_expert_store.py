@@ -178,3 +178,34 @@ def test_config_errors(qwen_dir):
         make_engine(qwen_dir, weight_bits=4, prefetch="oracle")
     with pytest.raises(ValueError, match="capacity=-1"):
         make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=-1)
+
+
+def test_reference_miss_path_fills_the_cache_inline():
+    # The torch miss path dequantizes the whole expert anyway: it hands the pair to the cache (no worker fill).
+    g = torch.Generator().manual_seed(1)
+    E, D, I, R = 6, 64, 96, 12
+    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
+                                    torch.randn(E, D, I, generator=g) * 0.1, bits=4, group_size=32)
+    x = torch.randn(R, D, generator=g)
+    ids = torch.tensor([1, 4] * (R // 2))
+    cached = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
+                                worker=PrefetchWorker(sync=True), stats=RoutingStats(), demand_fill=True)
+    assert cached.inline_fill
+    ref = _layer(0, packed)
+    assert _rel(cached(x, ids), ref(x, ids)) < 1e-5
+    assert cached.cache.resident == [1, 4] and cached.stats.summary()[0]["cache_fills"] == 2
+    assert _rel(cached(x, ids), ref(x, ids)) < 1e-5  # now both hits
+    assert cached.stats.summary()[0]["hit_rate"] == 0.5
+    c = ExpertCache(1, 3, "lru", lambda e: (e,))
+    assert c.put(0, ("w0",)) and not c.put(0, ("again",)) and c.put(2, ("w2",)) and c.resident == [2]
+    assert not c.put(1, ("w1",), protect={2})
+
+
+def test_auto_prefetch_rule():
+    from actors.expert_store import auto_prefetch
+    from router_service.routing.prefetch import DEFAULT_PREDICTOR
+
+    assert auto_prefetch("cpu", full=True) == "none" and auto_prefetch("cuda", full=True) == "none"
+    assert auto_prefetch("cpu", full=False) == "none"  # no spare core to hide a fill: LRU + inline fills
+    assert auto_prefetch("cuda", full=False) == DEFAULT_PREDICTOR
+    assert auto_prefetch("cpu", full=False, cold=True) == DEFAULT_PREDICTOR  # hide cold reads

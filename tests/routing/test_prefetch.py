@@ -9,12 +9,14 @@ import torch
 
 from router_service.routing import stats
 from router_service.routing.prefetch import (
+    DEFAULT_WEIGHTS,
     PREDICTORS,
     ExpertPredictor,
     FrequencyPredictor,
     MarkovPredictor,
     RoutingTrace,
     TransitionCounts,
+    fit_loglinear,
     make_predictor,
     prequential_eval,
 )
@@ -135,3 +137,68 @@ def test_predictor_errors_and_union():
     assert set(PREDICTORS) == {"none", "frequent", "markov", "lookahead", "hybrid"}
     none = make_predictor("none", num_layers=L, num_experts=E, top_k=K)
     assert none.predict(1, None, None, None, 4).shape == (4, 0)
+
+
+def test_markov_uses_the_whole_previous_set():
+    # Layer 1's expert is decided by the PAIR used at layer 0 (XOR-like): no single expert predicts it, the set
+    # does. The log-linear set model (sum of PMI terms) must beat the old average of per-expert rows.
+    g = torch.Generator().manual_seed(0)
+    T = 400
+    ids = torch.full((T, L, K), -1, dtype=torch.int64)
+    a = torch.randint(0, 2, (T,), generator=g)
+    b = torch.randint(0, 2, (T,), generator=g)
+    ids[:, 0, 0], ids[:, 0, 1] = a, 2 + b  # sets {0|1, 2|3}
+    ids[:, 1, 0] = 4 + (a ^ b)  # 4 or 5
+    ids[:, 1, 1] = 6 + a  # 6 or 7
+    ids[:, 2] = ids[:, 1]
+    m = MarkovPredictor(L, E, K)
+    res = prequential_eval({"m": m}, [RoutingTrace(ids=ids)]).get("m").summary()
+    assert res[1]["recall"] > 0.75  # 6|7 always right; 4|5 mostly, from its rank among the k + 1 = 3
+
+
+def test_fit_loglinear_and_weights_round_trip(tmp_path):
+    d = 16
+    traces = [_chain_trace(48, s, with_hidden=True, d=d) for s in range(4)]
+    gates = [None] + [torch.zeros(E, d) for _ in range(L - 1)]
+    for l in range(1, L):
+        for e in range(E):
+            gates[l][(e + 1) % E, e] = 3.0
+    look = make_predictor("lookahead", num_layers=L, num_experts=E, top_k=K, gate_weights=gates)
+    w = fit_loglinear(traces, L, E, K, lookahead=look, steps=20)
+    assert len(w["markov"]) == L and all(len(r) == 2 for r in w["markov"])
+    assert len(w["hybrid"]) == L and all(len(r) == 3 for r in w["hybrid"])
+    assert w["markov"][0] == list(DEFAULT_WEIGHTS["markov"])  # the first MoE layer is never predicted from a layer
+    c = TransitionCounts.zeros(L, E)
+    c.weights = w
+    f = tmp_path / "t.safetensors"
+    c.save(str(f))
+    back = TransitionCounts.load(str(f))
+    assert back.weights == w
+    m = make_predictor("markov", num_layers=L, num_experts=E, top_k=K, counts=back)
+    assert torch.allclose(m.weights, torch.tensor(w["markov"]))
+    h = make_predictor("hybrid", num_layers=L, num_experts=E, top_k=K, counts=back, gate_weights=gates)
+    assert torch.allclose(h.weights, torch.tensor(w["hybrid"]))
+    assert make_predictor("markov", num_layers=L, num_experts=E, top_k=K).weights[1].tolist() == [1.0, 0.5]
+    with pytest.raises(ValueError, match="markov weights shape"):
+        MarkovPredictor(L, E, K, weights=[[1.0, 0.5]])
+    # Without hidden states only the Markov weights are fitted.
+    assert set(fit_loglinear([_chain_trace(16, 0)], L, E, K, steps=2)) == {"markov"}
+
+
+def test_hybrid_is_a_product_of_markov_and_lookahead():
+    # Markov has learned that {3, 4} at layer 0 is followed by {2, 7}; the lookahead gate prefers 0 then 1. The
+    # product keeps both Markov experts and fills the spare slot with the lookahead's favourite.
+    gates = [None] + [torch.eye(E) * 1.5 for _ in range(L - 1)]
+    look = make_predictor("lookahead", num_layers=L, num_experts=E, top_k=K, gate_weights=gates)
+    h = make_predictor("hybrid", num_layers=L, num_experts=E, top_k=K, gate_weights=gates)
+    for _ in range(50):
+        h.observe(1, torch.tensor([[2, 7]]), torch.tensor([[3, 4]]), None)
+        h.observe(1, torch.tensor([[0, 1]]), torch.tensor([[5, 6]]), None)
+    hid = torch.zeros(1, E)
+    hid[0, 0], hid[0, 1] = 1.0, 0.5
+    prev = torch.tensor([[3, 4]])
+    p = h.scores(1, prev, None, hid, 1)
+    assert torch.allclose(p.sum(-1), torch.ones(1))
+    assert set(h.predict(1, prev, None, hid, 1)[0].tolist()) == {2, 7, 0}
+    assert int(look.predict(1, None, None, hid, 1)[0, 0]) == 0
+    assert set(h.predict(1, prev, None, None, 1)[0, :2].tolist()) == {2, 7}  # no hidden state: Markov alone
