@@ -2,6 +2,7 @@
 
 Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moeray quantize SRC DST`):
   config.json, generation_config.json, tokenizer files      copied from SRC unchanged
+  kv_profiles/                                               copied from SRC if present (KV quantization profiles)
   model.safetensors                                          every non-routed-expert tensor of SRC under its
                                                              own name and dtype, plus per MoE layer l:
       {moe}.experts.packed.gate_up.{qcodes,qscales,qzeros,qcodebook?,qmeta}   stack (E, 2I, D), gate rows first
@@ -109,6 +110,10 @@ def write_packed_checkpoint(src: str, dst: str, *, bits: int, group_size: int = 
     for fn in _COPY:
         if os.path.isfile(os.path.join(src, fn)):
             shutil.copyfile(os.path.join(src, fn), os.path.join(dst, fn))
+    # KV quantization profiles: attention and the KV projections are not quantized, so SRC's profiles still
+    # describe DST's keys and values (recalibrate with `moeray calibrate` to fit the packed model exactly)
+    if os.path.isdir(os.path.join(src, "kv_profiles")):
+        shutil.copytree(os.path.join(src, "kv_profiles"), os.path.join(dst, "kv_profiles"), dirs_exist_ok=True)
     qc = {"format": FORMAT, "version": 1, "bits": bits, "group_size": group_size, "codebook": codebook,
           "fused_gate_up": True, "quantized": "routed experts (shared experts, attention, embeddings unchanged)",
           "effective_bits": 8 * nbytes / max(numel, 1), "expert_bytes": nbytes, "source": os.path.abspath(src)}

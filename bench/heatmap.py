@@ -134,6 +134,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "expert_load.png"))
     args = ap.parse_args()
+    try:  # fail before the cluster run, not after it
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("bench/heatmap.py needs matplotlib: make bench-deps (or pip install -e '.[bench]')", file=sys.stderr)
+        return 2
     if args.quick:
         args.prompts, args.max_tokens, args.prompt_chars = 4, 16, 300
 

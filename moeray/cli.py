@@ -22,6 +22,16 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--seed", type=int, default=None, help="per-request RNG seed; unset: random")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_engine_args(p)
+    p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
+    p.set_defaults(func=cmd_generate)
+
+
+def add_engine_args(p) -> None:
+    """What each rank runs: context, batch, KV cache, packed experts, prefetch, kernels, gating (shared by
+    `generate` and `serve`; `engine_kwargs` turns them into LLM / ClusterConfig keywords)."""
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank at most")
@@ -29,13 +39,13 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4],
                    help="quantize the KV cache to this many bits per element (default: full precision)")
+    p.add_argument("--kv-extra-bits", type=int, nargs="+", default=None, choices=[2, 3, 4], metavar="B",
+                   help="more KV widths served from the same page pool (needs --kv-bits); a request picks one by "
+                        "naming the profile '<name>-<B>bit', e.g. prose-2bit")
     p.add_argument("--kv-profile", default=None,
                    help="KV quantization profile: a name in <model>/kv_profiles (prose, code), 'auto' (per prompt), "
                         "a profile .safetensors path, or a folder of profiles; the deployment default, which a request "
                         "overrides with its own kv_profile field")
-    p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
-    p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
     p.add_argument("--weight-bits", type=int, default=None, choices=[2, 3, 4],
                    help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="C",
@@ -52,7 +62,26 @@ def _add_generate(sub) -> None:
                    help="gating policy of the deployment (see router_service/routing/gating.py)")
     p.add_argument("--gating-option", action="append", default=[], metavar="KEY=VALUE",
                    help="gating knob, e.g. sticky_margin=0.1 or top_p=0.6 (repeatable)")
-    p.set_defaults(func=cmd_generate)
+
+
+def engine_kwargs(a) -> dict:
+    """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
+
+    Raises ValueError on a bad --gating-option."""
+    kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
+              dtype=a.dtype)
+    opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
+            "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
+            "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating}
+    if a.gating_option:
+        opts["gating_options"] = parse_gating_options(a.gating_option)
+    kw["engine_options"] = {k: v for k, v in opts.items() if v is not None}
+    if a.kernel_backend == "triton":
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the local Ray workers
+    return kw
 
 
 def parse_gating_options(items: list[str]) -> dict:
@@ -79,22 +108,11 @@ def cmd_generate(a) -> int:
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
-    kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes, dtype=a.dtype)
-    kw["engine_options"] = {k: v for k, v in (("kv_bits", a.kv_bits), ("kv_profile", a.kv_profile)) if v is not None}
-    experts_kw = {"weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
-                  "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating}
     try:
-        if a.gating_option:
-            experts_kw["gating_options"] = parse_gating_options(a.gating_option)
+        kw = engine_kwargs(a)
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
-    kw["engine_options"] = {**kw.get("engine_options", {}), **{k: v for k, v in experts_kw.items() if v is not None}}
-    if a.kernel_backend == "triton":
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the local Ray workers
     try:
         llm = LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)
     except (ValueError, FileNotFoundError) as e:

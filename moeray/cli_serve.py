@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
     p.add_argument("--grpc-proxy", action="store_true",
                    help="serve gRPC through Ray Serve's gRPC proxy on --grpc-port (binds every interface, "
                         "not --host) instead of the replica's own server on --host")
+    from moeray.cli import add_engine_args
+
+    add_engine_args(p)  # what each rank runs: --kv-bits, --gating, --weight-bits, ... as for `generate`
     p.set_defaults(func=cmd_serve)
 
 
@@ -113,6 +116,13 @@ def cmd_serve(a) -> int:
         print(f"moeray: error: {err}", file=sys.stderr)
         return 2
     api_key = a.api_key if a.api_key is not None else os.environ.get("MOERAY_API_KEY")
+    from moeray.cli import engine_kwargs
+
+    try:
+        a.cluster_kw = engine_kwargs(a)
+    except ValueError as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
     if a.http_port == 0:
         return _grpc_only(a, api_key)
 
@@ -128,7 +138,7 @@ def cmd_serve(a) -> int:
     in_replica = a.grpc_port and not a.grpc_proxy
     args = ServeAppArgs(model=os.path.abspath(a.model), ranks=ranks, max_queue=a.max_queue, api_key=api_key,
                         grpc_port=a.grpc_port if in_replica else None, grpc_host=a.host,
-                        served_model_name=a.served_model_name)
+                        served_model_name=a.served_model_name, cluster_options=a.cluster_kw)
     grpc_options = None
     if a.grpc_proxy:
         grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
@@ -163,7 +173,7 @@ def _grpc_only(a, api_key: str | None) -> int:
     if owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
         enable_ray_token_auth()  # LLM starts the local Ray
     try:
-        llm = LLM(model=a.model, ranks=a.ranks, address=a.address, max_queue=a.max_queue)
+        llm = LLM(model=a.model, ranks=a.ranks, address=a.address, max_queue=a.max_queue, **a.cluster_kw)
     except (ValueError, FileNotFoundError) as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2

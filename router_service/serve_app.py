@@ -120,6 +120,9 @@ def error_response(status: int, message: str, param: str | None = None, kind: st
 def _validation_message(err: dict) -> tuple[str, str]:
     """(field, message) of one pydantic error, e.g. ("max_tokens", "max_tokens=-1: Input should be
     greater than or equal to 1")."""
+    if err.get("type") == "json_invalid":  # FastAPI's loc is ("body", <byte offset>): name the body, not "0"
+        return "body", f"body: invalid JSON ({err.get('ctx', {}).get('error', 'decode error')} at byte " \
+                       f"{err.get('loc', ('', '?'))[-1]})"
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # union members show up in loc (`str`, `list[int]`); keep the field path only
     loc = [p for p in loc if not (p.startswith(("str", "list[", "int", "float", "bool", "function-")))]
@@ -128,7 +131,9 @@ def _validation_message(err: dict) -> tuple[str, str]:
         msg = msg[len("Value error, "):]
     lead = re.match(r"(\w+)[:=]", msg)  # model-level validators start their message with the field
     field = ".".join(loc) or (lead.group(1) if lead else params_error_field(msg))
-    if loc and "input" in err and not isinstance(err["input"], (dict, list)):
+    if msg.startswith(f"{field}=") or msg.startswith(f"{field}:"):
+        pass  # the validator already named the field and its value
+    elif loc and "input" in err and not isinstance(err["input"], (dict, list)):
         msg = f"{field}={err['input']!r}: {msg}"
     elif loc:
         msg = f"{field}: {msg}"

@@ -83,3 +83,20 @@ def test_gpu_bench_tiny_runs_under_interpreter():
     assert last.startswith("RESULT ")
     keys = {kv.split("=")[0] for kv in last.split()[1:]}
     assert {"bw_frac_3b_b1", "bw_frac_4b_b16", "ms_3b_b1", "fp16_ms_b16"} <= keys
+
+
+def test_quantize_keeps_the_kv_profiles(tiny_model_dir, tmp_path):
+    """A packed copy of a model with KV quantization profiles keeps them (attention is not quantized), so
+    `--kv-bits` works on it as on the source."""
+    import shutil
+
+    from actors.packed_checkpoint import write_packed_checkpoint
+
+    src = str(tmp_path / "src")
+    shutil.copytree(tiny_model_dir("qwen2_moe", num_layers=3), src)
+    os.makedirs(os.path.join(src, "kv_profiles"))
+    with open(os.path.join(src, "kv_profiles", "prose-3bit.json"), "w") as f:
+        f.write("{}")
+    dst = str(tmp_path / "dst")
+    write_packed_checkpoint(src, dst, bits=4, group_size=32)
+    assert os.path.isfile(os.path.join(dst, "kv_profiles", "prose-3bit.json"))

@@ -239,6 +239,16 @@ def test_chat_validation_400(client, body, field):
     assert_served(client)
 
 
+def test_invalid_json_body_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "x", ', headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "body" and "invalid JSON" in err["message"], err
+    r = complete(client, gating="fastest")
+    assert r.json()["error"]["message"].count("gating=") == 1  # the field is named once
+    assert_served(client)
+
+
 def test_overload_503_at_once(client, llm):
     from actors.sampling import SamplingParams
 
