@@ -124,8 +124,9 @@ class GenerateCall:
     the rank lets go of it. `close()` (idempotent, thread-safe) aborts the request unless it already
     finished; transports call it when the call ends for any reason (cancel, disconnect, deadline, error)."""
 
-    def __init__(self, router: Router, stream: RequestStream):
+    def __init__(self, router: Router, stream: RequestStream, timer=None):
         self.router, self.stream = router, stream
+        self.timer = timer  # a router_service.metrics.RequestObserver (TTFT / ITL / e2e), or None
         self.request_id = stream.request_id
         self.completion = 0  # tokens streamed so far
         self._finished = threading.Event()
@@ -140,6 +141,8 @@ class GenerateCall:
         Raises:
             RpcError: UNAVAILABLE when the rank failed (`finish_reason == "error"`; retriable).
         """
+        if self.timer is not None:
+            self.timer.observe(0, o.token_ids, o.finish_reason)
         if o.finish_reason == "error":
             self._finished.set()  # the router already ended it on every rank
             raise RpcError(grpc.StatusCode.UNAVAILABLE, o.error or "the rank failed")
@@ -167,10 +170,13 @@ class MoerayRpc:
     Args:
         router: a running router. model_name: public model id (default: model folder name).
         api_key: if set, every call except `Health` must present it (see `presented_key`).
+        metrics: a `router_service.metrics.Metrics` whose latency histograms and token counter Generate calls
+            feed (the HTTP app's, so one /metrics covers both protocols), or None.
     """
 
-    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None):
+    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None, metrics=None):
         self.router = router
+        self.metrics = metrics
         self.model_name = served_model_name(router, model_name)
         self.api_key = api_key or None
 
@@ -206,7 +212,8 @@ class MoerayRpc:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except EngineError as e:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        return GenerateCall(self.router, stream)
+        timer = self.metrics.observer([stream.t0]) if self.metrics is not None else None
+        return GenerateCall(self.router, stream, timer)
 
     def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
         """Abort `request.request_id` if it is in flight on this router. Raises RpcError(INVALID_ARGUMENT)
@@ -251,8 +258,8 @@ class MoerayServicer(pb_grpc.MoerayServicer):
     Args: as `MoerayRpc`.
     """
 
-    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None):
-        self.rpc = MoerayRpc(router, model_name, api_key)
+    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None, metrics=None):
+        self.rpc = MoerayRpc(router, model_name, api_key, metrics)
         self.router, self.model_name, self.api_key = router, self.rpc.model_name, self.rpc.api_key
 
     @staticmethod
@@ -355,9 +362,10 @@ class GrpcServer:
 
 
 def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                      model_name: str | None = None, max_concurrency: int | None = None) -> GrpcServer:
-    """Serve `router` over gRPC; returns the started server (see `GrpcServer` for `max_concurrency`)."""
-    return GrpcServer(MoerayServicer(router, model_name, api_key), host, port, max_concurrency)
+                      model_name: str | None = None, max_concurrency: int | None = None, metrics=None) -> GrpcServer:
+    """Serve `router` over gRPC; returns the started server (see `GrpcServer` for `max_concurrency`; `metrics`:
+    see `MoerayRpc`)."""
+    return GrpcServer(MoerayServicer(router, model_name, api_key, metrics), host, port, max_concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:

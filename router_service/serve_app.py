@@ -455,13 +455,15 @@ if serve is not None:
             # not `self.app`: the ingress wrapper owns that name (a read-only property)
             self.http_app = create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key)
             self.http: OpenAIServer = self.http_app.state.server
+            # proxy gRPC calls are timed by `self.http.outputs` (below); the replica's own gRPC server is given
+            # the same Metrics, so one /metrics covers both protocols
             self.rpc = MoerayRpc(self.router, self.args.served_model_name, self.api_key)
             self.grpc = None
             if self.args.grpc_port is not None:
                 from router_service.grpc_server import start_grpc_server
 
                 self.grpc = start_grpc_server(self.router, self.args.grpc_host, self.args.grpc_port, self.api_key,
-                                              self.args.served_model_name)
+                                              self.args.served_model_name, metrics=self.http.metrics)
             log.info("MoerayServer up: %s, %d ranks", cfg.model, cfg.ranks)
 
         def __serve_build_asgi_app__(self):

@@ -224,3 +224,20 @@ def test_rank_failure_is_unavailable(stub, llm):
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "injected" in ei.value.details()
     _free_after_idle(llm)
     assert_served(stub)
+
+
+def test_generate_feeds_the_latency_metrics(llm):
+    """With a Metrics given (as the Serve replica does with its HTTP app's), gRPC Generates are timed and
+    counted: /metrics covers both protocols."""
+    from router_service.metrics import Metrics
+
+    m = Metrics(llm.router)
+    srv = start_grpc_server(llm.router, host="127.0.0.1", port=0, metrics=m)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            out = gen(pb_grpc.MoerayStub(ch), max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finally:
+        srv.stop()
+    assert m.generated_tokens._value.get() == 4
+    assert m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
