@@ -48,6 +48,8 @@ class EngineConfig:
     # KV cache: kv_bits None = full precision; 2/3/4 = quantized with profile `kv_profile`
     kv_bits: int | None = None
     kv_profile: str | None = None
+    # further widths served from the same page pool; a request picks one by naming "<profile>-<b>bit"
+    kv_extra_bits: tuple[int, ...] = ()
     # routed experts: weight_bits None = as in the checkpoint; 2/3/4 = packed at load time
     weight_bits: int | None = None
     weight_group_size: int = 64
@@ -70,6 +72,11 @@ class EngineConfig:
             b = getattr(self, name)
             if b is not None and b not in (2, 3, 4):
                 raise ValueError(f"{name}={b} must be 2, 3 or 4 (or unset for full precision)")
+        self.kv_extra_bits = tuple(self.kv_extra_bits or ())
+        if any(b not in (2, 3, 4) for b in self.kv_extra_bits):
+            raise ValueError(f"kv_extra_bits={list(self.kv_extra_bits)}: each must be 2, 3 or 4")
+        if self.kv_extra_bits and self.kv_bits is None:
+            raise ValueError("kv_extra_bits needs kv_bits (the default width) to be set")
         if self.resident_experts is not None and self.resident_experts < 1:
             raise ValueError(f"resident_experts={self.resident_experts} must be >= 1 (or unset: all resident)")
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):

@@ -35,6 +35,24 @@ CODE_CHARS = frozenset("{}[]()<>=;_#*/\\|&^%$@`~+\"")
 CODE_CHAR_THRESHOLD = 0.06
 _INDENT = re.compile(r"\n( {2,}|\t+)")
 
+# The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
+# bench/kv_quality.py reports as `ours<b>`): `kernels.kv_quant.fit_kv_profile` options. Chosen on tiny-moe's
+# held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
+# measurable and cost 0.125 bits/element per channel and head, so there are none; at 2 bits the keys carry
+# most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), one
+# outlier channel per head pays for itself, and a uniform key grid over the min/max range with a k-means
+# value codebook measured best of the codebook / range combinations (24 windows per domain).
+RECOMMENDED_FIT_OPTIONS = {
+    2: dict(n_outlier=1, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
+            k_range="minmax"),
+    3: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
+    4: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
+}
+# Full-precision sink tokens the recipe was measured with. A sink shifts the 16-token blocks by one, so at a
+# block-multiple length 15 tail tokens stay unsealed in fp16 (0.2 bits/element at 1024 tokens) while quality
+# does not measurably change on tiny-moe.
+RECOMMENDED_SINK_TOKENS = 0
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelKVProfile:
@@ -294,3 +312,25 @@ def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size
     bits = [effective_bits(p, num_tokens=sealed, num_full_precision_tokens=num_tokens - sealed,
                            full_precision_bytes=full_precision_bytes) for p in profile.layers]
     return sum(bits) / len(bits)
+
+
+def load_served_profiles(model_dir: str, bits: int, kv_profile: str | None = None, extra_bits=(),
+                         device: torch.device | str = "cpu") -> tuple[dict[str, ModelKVProfile], str]:
+    """The profiles of a cache that serves several bit widths from one page pool.
+
+    The `bits`-bit profiles (resolved by `load_profiles` from `kv_profile`) keep their names ("prose", "code")
+    and hold the default: None / "auto" choose among them. Each width in `extra_bits` adds the model folder's
+    (or the `kv_profile` folder's) profiles of that width as "<name>-<b>bit" ("prose-2bit"), which a request
+    names to get that width.
+    Returns ({name: profile}, default name or "auto").
+    Raises:
+        ValueError: an extra width outside {2, 3, 4}, or one with no profile (see `load_profiles`).
+    """
+    profiles, default = load_profiles(model_dir, bits, kv_profile, device)
+    folder = kv_profile if kv_profile and os.path.isdir(kv_profile) else None
+    for b in sorted(set(extra_bits) - {bits}):
+        if b not in (2, 3, 4):
+            raise ValueError(f"kv_extra_bits has {b}; each must be 2, 3 or 4")
+        more, _ = load_profiles(model_dir, b, folder, device)
+        profiles.update({f"{name}-{b}bit": p for name, p in more.items()})
+    return profiles, default

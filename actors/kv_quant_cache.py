@@ -727,16 +727,16 @@ def build_engine_kv_cache(cfg, mc, *, device: torch.device | str = "cpu") -> Qua
     """The quantized cache for a RankEngine: profiles from `cfg.kv_profile`, pages from `cfg.kv_cache_bytes`.
 
     Args:
-        cfg: EngineConfig (kv_bits, kv_profile, kv_cache_bytes, block_size, max_num_seqs, max_model_len,
+        cfg: EngineConfig (kv_bits, kv_extra_bits, kv_profile, kv_cache_bytes, block_size, max_num_seqs, max_model_len,
             kernel_backend, dtype). mc: ModelConfig.
     Raises:
         ValueError: no matching profile (see actors.kv_profiles.load_profiles), or the budget cannot hold the
             profiles, the staging slots and one max_model_len sequence at the widest width.
     """
-    from actors.kv_profiles import load_profiles
+    from actors.kv_profiles import RECOMMENDED_SINK_TOKENS, load_served_profiles
 
-    profiles, default = load_profiles(cfg.model, cfg.kv_bits, cfg.kv_profile, device)
-    sink = 1
+    profiles, default = load_served_profiles(cfg.model, cfg.kv_bits, cfg.kv_profile, cfg.kv_extra_bits, device)
+    sink = RECOMMENDED_SINK_TOKENS  # what the shipped profiles were chosen with (bench/kv_quality.py)
     slots = cfg.max_num_seqs + 1  # +1: RankEngine.prompt_logits runs outside the scheduler
     fixed = QuantizedPagedKVCache.staging_bytes_for(mc.num_layers, slots, sink, cfg.block_size, mc.num_kv_heads,
                                                     mc.head_dim, cfg.torch_dtype)

@@ -38,11 +38,12 @@ def check_kv_profile_name(value) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | None = None) -> tuple[str, ...]:
+def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | None = None,
+                       kv_extra_bits: tuple[int, ...] = ()) -> tuple[str, ...]:
     """Names of the KV quantization profiles ranks started with (`kv_bits`, `kv_profile` engine options) load.
 
-    Resolved exactly as the ranks resolve them (`actors.kv_profiles.load_profiles`, same model folder and
-    options), once per argument tuple (the profiles are a few KiB per layer). Returns () for a full-precision
+    Resolved exactly as the ranks resolve them (`actors.kv_profiles.load_served_profiles`, same model folder
+    and options; `kv_extra_bits` widths are named "<name>-<b>bit"), once per argument tuple (the profiles are a few KiB per layer). Returns () for a full-precision
     KV cache (`kv_bits` None).
 
     Raises:
@@ -50,9 +51,9 @@ def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | No
     """
     if kv_bits is None:
         return ()
-    from actors.kv_profiles import load_profiles
+    from actors.kv_profiles import load_served_profiles
 
-    profiles, _ = load_profiles(model_dir, kv_bits, kv_profile)
+    profiles, _ = load_served_profiles(model_dir, kv_bits, kv_profile, tuple(kv_extra_bits))
     return tuple(sorted(profiles))
 
 
@@ -118,7 +119,8 @@ class SamplingParams:
         if name is None:
             return
         bits = engine_options.get("kv_bits")
-        served = served_kv_profiles(model_dir, bits, engine_options.get("kv_profile"))
+        served = served_kv_profiles(model_dir, bits, engine_options.get("kv_profile"),
+                                    tuple(engine_options.get("kv_extra_bits") or ()))
         if bits is None:
             if name != KV_PROFILE_AUTO:
                 raise ValueError(f"kv_profile={name!r} needs a quantized KV cache; this deployment keeps the KV "

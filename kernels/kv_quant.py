@@ -2,8 +2,10 @@
 
 What is quantized, and how (one layer):
   * keys, per channel: `k_norm = (k - k_zero[h, d]) / k_scale[h, d]` with scales/zeros calibrated offline on
-    pre-RoPE keys (KVQuant section 3.1-3.2: per-channel, pre-RoPE), then the nearest level of the layer's
-    non-uniform key codebook (k-means / Lloyd-Max fitted on normalised calibration keys, section 3.3);
+    pre-RoPE keys (KVQuant section 3.1-3.2: per-channel, pre-RoPE; the range is min/max or, `k_range="mse"`,
+    shrunk per channel to the least squared error through the codebook), then the nearest level of the
+    layer's key codebook (k-means / Lloyd-Max fitted on normalised calibration keys, section 3.3, or a
+    uniform grid);
   * values, per token: `v_norm = (v - v_zero[h, d]) / v_scale[t, h]`, `v_scale` = max-abs of the token's
     centred inlier channels, computed online at quantize time and stored as fp16, then the nearest level of
     the value codebook. `v_zero` is an optional calibrated per-channel mean (not in KVQuant): values share a
@@ -56,6 +58,11 @@ CODEBOOK_METHODS = ("kmeans", "uniform")
 _FP16_MAX = 65504.0
 # k-means on more points than this changes the codebook by far less than the quantization step.
 _MAX_FIT_SAMPLES = 1 << 20
+K_RANGES = ("mse", "minmax")
+# Candidate shrink factors of a key channel's calibrated half-range for k_range="mse". Below 0.4 the clipped
+# tails dominate the error for every channel measured on tiny-moe, so the grid stops there.
+MSE_CLIP_FACTORS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+MSE_ROUNDS = 2
 
 
 def _check_bits(bits: int, name: str = "bits") -> None:
@@ -314,6 +321,8 @@ def fit_kv_profile(
     use_v_zero: bool = True,
     codebook: str = "kmeans",
     iters: int = 30,
+    k_range: str = "mse",
+    codebook_v: str | None = None,
 ) -> KVQuantProfile:
     """Calibrate one layer's `KVQuantProfile` offline (KVQuant, arXiv 2401.18079, sections 3.1-3.4).
 
@@ -327,13 +336,31 @@ def fit_kv_profile(
             values beyond are clipped to the end levels.
         use_zero: per-channel key zero point (asymmetric range) if True, else symmetric max-abs scale.
         use_v_zero: subtract the calibrated per-channel value mean before per-token scaling.
-        codebook: "kmeans" (non-uniform, Lloyd-Max) or "uniform".
+        codebook: "kmeans" (non-uniform, Lloyd-Max) or "uniform", for the key codebook (and the value one
+            unless codebook_v is given).
+        codebook_v: "kmeans" or "uniform" for the value codebook; None = same as codebook. At 2 bits on
+            tiny-moe a uniform key grid with a k-means value codebook measured best (BENCHMARKS.md, KV section):
+            MSE-fitted key levels pull the end levels inwards, and the rare large keys that decide attention
+            lose most.
         iters: Lloyd iterations.
+        k_range: "mse" (default) or "minmax". "minmax" maps each key channel's calibrated [lo, hi] (after
+            `percentile`) onto [-1, 1]. "mse" then shrinks each channel's half-range by the factor in
+            `MSE_CLIP_FACTORS` that minimises that channel's squared error through the layer's codebook,
+            refitting the codebook after each of `MSE_ROUNDS` rounds (clipping search as in weight
+            quantizers, e.g. AWQ's clip search, arXiv 2306.00978, applied per key channel). Calibration-only:
+            the stored format is unchanged. On tiny-moe at 2 bits it lowers the held-out perplexity increase
+            by ~0.4-1 points (bench/kv_quality.py, row `-mse`).
     Returns:
         KVQuantProfile on the device of k_calib.
     Raises:
-        ValueError: mismatched shapes, N == 0, out-of-range bits / n_outlier / n_outlier_v / percentile.
+        ValueError: mismatched shapes, N == 0, out-of-range bits / n_outlier / n_outlier_v / percentile,
+            unknown k_range.
     """
+    codebook_v = codebook if codebook_v is None else codebook_v
+    if codebook_v not in CODEBOOK_METHODS:
+        raise ValueError(f"codebook_v={codebook_v!r} is not one of {CODEBOOK_METHODS}")
+    if k_range not in K_RANGES:
+        raise ValueError(f"k_range={k_range!r} is not one of {K_RANGES}")
     if k_calib.dim() != 3 or v_calib.shape != k_calib.shape:
         raise ValueError(f"k_calib.shape={tuple(k_calib.shape)} and v_calib.shape={tuple(v_calib.shape)} "
                          "must both be [N, H, D]")
@@ -373,6 +400,12 @@ def fit_kv_profile(
     zero_HD = torch.where(k_in_HD, zero_HD, torch.zeros_like(zero_HD))
 
     k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]  # [N, inliers]
+    k_codebook = fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device)
+    if k_range == "mse":
+        for _ in range(MSE_ROUNDS):
+            scale_HD = _mse_clip_scale(k, zero_HD, scale_HD, k_codebook, k_in_HD)
+            k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]
+            k_codebook = fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device)
     v_zero_HD = torch.where(v_in_HD, v.mean(dim=0), torch.zeros((), device=v.device)) if use_v_zero \
         else torch.zeros(h, d, device=v.device)
     v_c = v - v_zero_HD
@@ -383,11 +416,28 @@ def fit_kv_profile(
         k_scale=scale_HD,
         k_zero=zero_HD,
         v_zero=v_zero_HD,
-        k_codebook=fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device),
-        v_codebook=fit_codebook(v_norm, bits, method=codebook, iters=iters).to(k.device),
+        k_codebook=k_codebook,
+        v_codebook=fit_codebook(v_norm, bits, method=codebook_v, iters=iters).to(k.device),
         k_outlier_idx=k_idx,
         v_outlier_idx=v_idx,
     )
+
+
+def _mse_clip_scale(k_NHD: torch.Tensor, zero_HD: torch.Tensor, scale_HD: torch.Tensor, codebook: torch.Tensor,
+                    inlier_HD: torch.Tensor) -> torch.Tensor:
+    """[H, D] per-channel key scale: scale_HD times the factor of MSE_CLIP_FACTORS with the least squared error
+    of the channel's calibration keys through `codebook` (values beyond the clipped range saturate at the end
+    levels). Outlier channels keep scale 1. Ties keep the earlier (larger) factor."""
+    best_err = torch.full_like(scale_HD, float("inf"))
+    best = scale_HD.clone()
+    for f in MSE_CLIP_FACTORS:
+        s = scale_HD * f
+        x_hat = codebook[nearest_level((k_NHD - zero_HD) / s, codebook)] * s + zero_HD
+        err = ((x_hat - k_NHD) ** 2).mean(dim=0)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, s, best)
+    return torch.where(inlier_HD, best, torch.ones_like(best))
 
 
 def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor) -> torch.Tensor:
@@ -614,13 +664,15 @@ def effective_bits(
 class KiviQuantized:
     """KIVI-style uniform quantized K/V (arXiv 2402.02750), for benchmark comparison.
 
-    Fields (N tokens, G = group_size): k_codes / v_codes [N, H, P] uint8 packed like `pack_codes`;
-    k_scale / k_zero [N / G, H, D] fp16 (per channel, one group = G consecutive tokens);
-    v_scale / v_zero [N, H, D / G] fp16 (per token, one group = G consecutive channels); bits; group_size.
+    Fields (N tokens, G = group_size, Gv = v_group_size): k_codes / v_codes [N, H, P] uint8 packed like
+    `pack_codes`; k_scale / k_zero [N / G, H, D] fp16 (per channel, one group = G consecutive tokens);
+    v_scale / v_zero [N, H, D / Gv] fp16 (per token, one group = Gv consecutive channels); bits; group_size;
+    v_group_size.
     """
 
     bits: int
     group_size: int
+    v_group_size: int
     k_codes: torch.Tensor
     k_scale: torch.Tensor
     k_zero: torch.Tensor
@@ -648,32 +700,42 @@ def _uniform_group(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, 
     return codes, scale, zero
 
 
-def kivi_quantize(k: torch.Tensor, v: torch.Tensor, *, bits: int, group_size: int = 32) -> KiviQuantized:
+def kivi_quantize(k: torch.Tensor, v: torch.Tensor, *, bits: int, group_size: int = 32,
+                  v_group_size: int | None = None) -> KiviQuantized:
     """Uniform KIVI quantization: keys per channel over groups of `group_size` tokens, values per token over
-    groups of `group_size` channels, each group with fp16 scale and zero (KIVI, arXiv 2402.02750).
+    groups of `v_group_size` channels, each group with fp16 scale and zero (KIVI, arXiv 2402.02750).
+
+    Effective bits = bits + 16 / group_size (K) averaged with bits + 16 / v_group_size (V); larger groups
+    are how the baseline is brought to a given bit budget (e.g. G = 128 tokens, Gv = 64 channels: bits + 0.375).
 
     Args:
         k, v: [N, H, D] float (KIVI quantizes post-RoPE keys; either works here).
         bits: 2, 3 or 4 bits per element.
-        group_size: G; N and D must be multiples of G (KIVI keeps the remainder in full precision).
+        group_size: G tokens per key group; N must be a multiple of G (KIVI keeps the remainder in full
+            precision).
+        v_group_size: Gv channels per value group (default G); D must be a multiple of Gv.
     Returns:
         KiviQuantized.
     Raises:
-        ValueError: shape mismatch, unsupported bits, group_size < 1, N or D not a multiple of group_size.
+        ValueError: shape mismatch, unsupported bits, a group size < 1, N not a multiple of group_size or D
+            not a multiple of v_group_size.
     """
     _check_bits(bits)
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must both be [N, H, D]")
     n, h, d = k.shape
-    if group_size < 1 or n % group_size or d % group_size:
-        raise ValueError(f"group_size={group_size} must be >= 1 and divide N={n} and D={d}")
+    gv = group_size if v_group_size is None else v_group_size
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"group_size={group_size} must be >= 1 and divide N={n}")
+    if gv < 1 or d % gv:
+        raise ValueError(f"v_group_size={gv} must be >= 1 and divide D={d}")
     packed_bytes(d, bits)
     kg = k.float().reshape(n // group_size, group_size, h, d)
     k_codes, k_scale, k_zero = _uniform_group(kg, bits, dim=1)
-    vg = v.float().reshape(n, h, d // group_size, group_size)
+    vg = v.float().reshape(n, h, d // gv, gv)
     v_codes, v_scale, v_zero = _uniform_group(vg, bits, dim=3)
     return KiviQuantized(
-        bits=bits, group_size=group_size,
+        bits=bits, group_size=group_size, v_group_size=gv,
         k_codes=pack_codes(k_codes.reshape(n, h, d), bits), k_scale=k_scale.squeeze(1), k_zero=k_zero.squeeze(1),
         v_codes=pack_codes(v_codes.reshape(n, h, d), bits), v_scale=v_scale.squeeze(3), v_zero=v_zero.squeeze(3),
     )
@@ -682,9 +744,9 @@ def kivi_quantize(k: torch.Tensor, v: torch.Tensor, *, bits: int, group_size: in
 def kivi_dequantize(q: KiviQuantized) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `kivi_quantize`: returns (k, v), each [N, H, D] fp32."""
     n, h, p = q.k_codes.shape
-    d, g = p * 8 // q.bits, q.group_size
+    d, g, gv = p * 8 // q.bits, q.group_size, q.v_group_size
     kc = unpack_codes(q.k_codes, q.bits, d).float().reshape(n // g, g, h, d)
     k = kc * q.k_scale.float().unsqueeze(1) + q.k_zero.float().unsqueeze(1)
-    vc = unpack_codes(q.v_codes, q.bits, d).float().reshape(n, h, d // g, g)
+    vc = unpack_codes(q.v_codes, q.bits, d).float().reshape(n, h, d // gv, gv)
     v = vc * q.v_scale.float().unsqueeze(3) + q.v_zero.float().unsqueeze(3)
     return k.reshape(n, h, d), v.reshape(n, h, d)

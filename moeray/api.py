@@ -65,7 +65,8 @@ class LLM:
         """KV quantization profile names a request may put in `SamplingParams.kv_profile` (besides "auto");
         () when the KV cache is full precision."""
         opts = self.config.engine_options
-        return served_kv_profiles(self.config.model, opts.get("kv_bits"), opts.get("kv_profile"))
+        return served_kv_profiles(self.config.model, opts.get("kv_bits"), opts.get("kv_profile"),
+                                  tuple(opts.get("kv_extra_bits") or ()))
 
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids), in order. A rejected prompt (e.g. a

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--n-outlier-v", type=int, default=0, help="value outlier channels per KV head kept in fp16")
     p.add_argument("--percentile", type=float, default=1.0, help="per-channel key range percentile, (0.5, 1]")
     p.add_argument("--codebook", default="kmeans", choices=["kmeans", "uniform"])
+    p.add_argument("--codebook-v", default=None, choices=["kmeans", "uniform"],
+                   help="value codebook method (default: --codebook)")
+    p.add_argument("--k-range", default="mse", choices=["mse", "minmax"], help="per-channel key range fit")
     p.add_argument("--no-v-zero", action="store_true", help="do not subtract the per-channel value mean")
     p.set_defaults(func=cmd_calibrate)
 
@@ -73,6 +76,7 @@ def cmd_calibrate(a) -> int:
     try:
         prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, n_outlier=a.n_outlier,
                                  n_outlier_v=a.n_outlier_v, percentile=a.percentile, codebook=a.codebook,
+                                 codebook_v=a.codebook_v, k_range=a.k_range,
                                  use_v_zero=not a.no_v_zero)
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)

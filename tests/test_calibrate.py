@@ -39,9 +39,15 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     assert prof.num_layers == 2 and prof.bits == 3 and prof.name == "code"
     assert model_effective_bits(prof, 1024) == pytest.approx(meta["effective_bits_1024"], abs=1e-4)
     # a folder of profiles resolves by name, and the engine builds its cache from it
+    # the codebook / key-range options of the 2-bit recipe (actors.kv_profiles.RECOMMENDED_FIT_OPTIONS) reach
+    # the fit and its metadata (outlier count left at 2: profiles in one folder must share a layout)
     rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "3", "--model", model,
-               "--tokens", "150", "--window", "64", str(out)])
+               "--tokens", "150", "--window", "64", "--codebook", "uniform", "--codebook-v", "kmeans",
+               "--k-range", "minmax", str(out)])
     assert rc == 0
+    fit = json.loads((out / "prose-3bit.json").read_text())["fit_options"]
+    assert (fit["codebook"], fit["codebook_v"], fit["k_range"]) == ("uniform", "kmeans", "minmax")
+    assert torch.equal(load_profile(str(out / "prose-3bit")).layers[0].k_codebook, torch.linspace(-1, 1, 8))
     profiles, default = load_profiles(model, 3, str(out))
     assert sorted(profiles) == ["code", "prose"] and default == "auto"
     from actors.config import ModelConfig

@@ -209,3 +209,46 @@ def test_kivi_baseline(bits):
     assert q.effective_bits() == pytest.approx(bits + 1.0)  # fp16 scale + zero per 32 elements, K and V
     with pytest.raises(ValueError, match="group_size=48"):
         kivi_quantize(k, v, bits=bits, group_size=48)
+
+
+def test_kivi_matched_bits_groups():
+    """Key groups of 128 tokens and value groups of 64 channels: bits + 16/128/2 + 16/64/2 = bits + 0.375."""
+    k, v = _kv(256)
+    q = kivi_quantize(k, v, bits=2, group_size=128, v_group_size=64)
+    assert q.effective_bits() == pytest.approx(2.375)
+    k_hat, v_hat = kivi_dequantize(q)
+    assert _rel_err(k_hat, k) < 0.7 and _rel_err(v_hat, v) < 0.7
+    with pytest.raises(ValueError, match="v_group_size=48"):
+        kivi_quantize(k, v, bits=2, group_size=128, v_group_size=48)
+
+
+def test_mse_key_range_lowers_key_error_and_keeps_format():
+    """k_range="mse" shrinks per-channel ranges where that lowers the squared error (uniform grid, heavy-tailed
+    keys); the stored layout is the same as with min/max ranges (calibration-only change)."""
+    g = torch.Generator().manual_seed(7)
+    # heavy-tailed keys: a few large values stretch min/max far beyond where the mass is
+    k_cal = torch.randn(2048, 2, 64, generator=g) * torch.rand(2048, 2, 64, generator=g).pow(4).mul(6).add(1)
+    v_cal = torch.randn(2048, 2, 64, generator=g)
+    k, v = k_cal[:512], v_cal[:512]
+    err = {}
+    for rng in ("minmax", "mse"):
+        prof = fit_kv_profile(k_cal, v_cal, bits=2, n_outlier=0, k_range=rng, codebook="uniform")
+        q = quantize_kv(k, v, prof)
+        assert q.k_codes.shape == (512, 2, 16) and prof.bytes_per_token() == 2 * (2 * 16 + 2)
+        err[rng] = _rel_err(dequantize_kv(q, prof)[0], k)
+        if rng == "mse":
+            assert bool((prof.k_scale <= fit_kv_profile(k_cal, v_cal, bits=2, n_outlier=0,
+                                                        k_range="minmax").k_scale + 1e-6).all())
+    # a uniform 2-bit grid has no level at 0: over a min/max range most keys land far from any level
+    assert err["mse"] < 0.5 * err["minmax"], err
+    with pytest.raises(ValueError, match="k_range='max'"):
+        fit_kv_profile(k_cal, v_cal, bits=2, k_range="max")
+
+
+def test_separate_value_codebook_method():
+    k_cal, v_cal = _kv(256)
+    prof = fit_kv_profile(k_cal, v_cal, bits=2, codebook="uniform", codebook_v="kmeans")
+    assert torch.equal(prof.k_codebook, torch.linspace(-1, 1, 4))
+    assert not torch.allclose(prof.v_codebook, torch.linspace(-1, 1, 4))
+    with pytest.raises(ValueError, match="codebook_v='lloyd'"):
+        fit_kv_profile(k_cal, v_cal, bits=2, codebook_v="lloyd")
