@@ -19,6 +19,8 @@ Rows:
                  per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block
                  in full precision. 2 bits: uniform key grid over min/max ranges, k-means value codebook, 1
                  outlier channel per head; 3/4 bits: k-means codebooks, MSE-clipped key ranges, no outliers
+  ours<b> cross  domain-mismatched: each domain's windows through the OTHER domain's profile (KVQuant reports
+                 cross-domain calibration gives similar results; this row measures it here)
   ours<b>X       one change to the recipe: `-mse` / `+mse` min/max / MSE-clipped key ranges; `-kmeans` uniform
                  grids for K and V; `+kmeansK` k-means codebooks for K and V; `-vzero` no value mean; `+sink`
                  1 fp16 sink token; `outN` N fp16 key outlier channels per head
@@ -219,6 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows per domain at most")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="held-out head used for calibration")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rows", nargs="+", default=None, metavar="NAME",
+                    help="only these rows, by exact name (e.g. `--rows ours3 'ours3 cross'`); RESULT keys of "
+                         "rows not run print nan")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -244,6 +249,8 @@ def main(argv=None) -> int:
     rows: list[tuple[str, int, float, dict]] = []  # (name, bits, effective bits, {domain: ppl})
 
     def add_row(name, bits, make_cache, bits_of):
+        if a.rows and name not in a.rows:
+            return
         res, eb = {}, []
         for dom in DOMAINS:
             cache = make_cache(dom)
@@ -282,6 +289,10 @@ def main(argv=None) -> int:
     for bits in (2, 3, 4):
         add_row(f"ours{bits}", bits, lambda dom, b=bits: ours(dom, profile(dom, b), ns0),
                 lambda dom, c, b=bits: model_effective_bits(profile(dom, b), WINDOW, sink_tokens=ns0))
+        if bits in (2, 3):  # domain-mismatched profile: prose windows through the code profile and vice versa
+            other = {"prose": "code", "code": "prose"}
+            add_row(f"ours{bits} cross", bits, lambda dom, b=bits: ours(dom, profile(other[dom], b), ns0),
+                    lambda dom, c, b=bits: model_effective_bits(profile(other[dom], b), WINDOW, sink_tokens=ns0))
         if bits not in abl_bits:
             continue
         for suffix, change, sink in ABLATIONS:
@@ -316,8 +327,10 @@ def main(argv=None) -> int:
         print(f"{r[0]:<24}{r[2]:>10.3f}{r[3]['prose']:>11.3f}{dppl(r, 'prose'):>8.2f}{r[3]['code']:>10.3f}"
               f"{dppl(r, 'code'):>8.2f}")
 
+    nan_row = ("", 0, float("nan"), {d: float("nan") for d in DOMAINS})
+
     def row(name):
-        return next(r for r in rows if r[0] == name)
+        return next((r for r in rows if r[0] == name), nan_row)  # a row left out by --rows
 
     def keys(key, r):
         return f"{key}_bits={r[2]:.3f} {key}_prose={dppl(r, 'prose'):.3f} {key}_code={dppl(r, 'code'):.3f}"
