@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -31,10 +30,8 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.packed_weights import PackedExperts, PackedWeight, words_per_row
-
-PEAK_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
-
+from bench.gpu_common import PEAK_GBPS, timed  # noqa: E402
+from kernels.packed_weights import PackedExperts, PackedWeight, words_per_row  # noqa: E402
 
 def random_packed(e: int, n: int, k: int, bits: int, group: int, device) -> PackedWeight:
     """Random codes with plausible fp16 scales / zeros (the kernel's cost does not depend on the values)."""
@@ -52,25 +49,6 @@ def random_packed(e: int, n: int, k: int, bits: int, group: int, device) -> Pack
 def routing(b: int, e: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """`[B, K]` distinct random experts per token."""
     return torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(b)])
-
-
-def timed(fn, iters: int, cuda: bool) -> float:
-    """Mean ms per call after 2 warm-up calls."""
-    for _ in range(2):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
 
 
 def main(argv: list[str] | None = None) -> int:

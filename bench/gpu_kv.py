@@ -27,7 +27,6 @@ import argparse
 import math
 import os
 import sys
-import time
 
 import torch
 
@@ -36,29 +35,8 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_common import PEAK_GBPS, timed  # noqa: E402
 from kernels.kv_quant import KVPages, fit_kv_profile  # noqa: E402
-
-PEAK_GBPS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
-
-
-def timed(fn, iters: int, cuda: bool, warmup: int = 2) -> float:
-    """Mean ms per call after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) * 1e3 / iters
-
 
 def random_pages(profile, num_blocks: int, block_size: int, device, gen: torch.Generator) -> KVPages:
     """A page pool of `num_blocks` blocks with random codes, scales and outliers in the profile's layout."""

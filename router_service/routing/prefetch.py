@@ -47,6 +47,16 @@ def _moe_layer_list(num_layers: int, moe_layers: list[bool] | None) -> list[bool
     return list(moe_layers) if moe_layers is not None else [True] * num_layers
 
 
+def _loglinear(logf: torch.Tensor, feats: list, weights, num_tokens: int) -> torch.Tensor:
+    """`[T, E]` log-linear score: the prior `logf` ([1, E] or [T, E]) plus sum_i weights[i] * feats[i] over the
+    features present (None: that source has nothing for these tokens)."""
+    s = logf.expand(num_tokens, -1).clone()
+    for i, f in enumerate(feats):
+        if f is not None:
+            s += float(weights[i]) * f
+    return s
+
+
 @dataclass(kw_only=True, slots=True)
 class TransitionCounts:
     """Expert co-occurrence counts (float64 so online updates never overflow).
@@ -289,12 +299,7 @@ class MarkovPredictor(FrequencyPredictor):
     def logits(self, layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens) -> torch.Tensor:
         """`[T, E]` float32 unnormalised log-probabilities (the formula in the class docstring)."""
         logf, g = self.features(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens)
-        s = logf.expand(num_tokens, -1).clone()
-        w = self.weights[layer]
-        for i, gi in enumerate(g):
-            if gi is not None:
-                s += float(w[i]) * gi
-        return s
+        return _loglinear(logf, g, self.weights[layer], num_tokens)
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
         """`[T, E]` float32 probabilities (softmax of `logits`)."""
@@ -377,12 +382,7 @@ class HybridPredictor(ExpertPredictor):
         logf, g = self.markov.features(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens)
         if hidden_TD is not None and self.lookahead.gate[layer] is not None:
             g.append(self.lookahead.log_probs(layer, hidden_TD))
-        s = logf.expand(num_tokens, -1).clone()
-        w = self.weights[layer]
-        for i, gi in enumerate(g):
-            if gi is not None:
-                s += float(w[i]) * gi
-        return s
+        return _loglinear(logf, g, self.weights[layer], num_tokens)
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
         """`[T, E]` float32 probabilities (softmax of `logits`)."""

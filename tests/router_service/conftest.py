@@ -12,6 +12,17 @@ def tiny_moe_dir(tiny_model_dir):
     return tiny_model_dir("qwen2_moe")
 
 
+@pytest.fixture(scope="module")
+def client(llm):
+    """An HTTP test client of the OpenAI-style app over the test module's `llm` fixture."""
+    from fastapi.testclient import TestClient
+
+    from router_service.serve_app import create_app
+
+    with TestClient(create_app(llm.router)) as c:
+        yield c
+
+
 def start_llm(model_dir: str, ranks: int, max_queue: int = 64):
     from moeray.api import LLM
 

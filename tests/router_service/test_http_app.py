@@ -27,12 +27,6 @@ def llm(ray_session, tiny_moe_dir):
 
 
 @pytest.fixture(scope="module")
-def client(llm):
-    with TestClient(create_app(llm.router)) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model_id(client):
     return client.get("/v1/models").json()["data"][0]["id"]
 

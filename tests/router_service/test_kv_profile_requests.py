@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from fastapi.testclient import TestClient
 
 from actors.sampling import SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
@@ -19,7 +18,6 @@ from router_service.grpc_server import start_grpc_server
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 from router_service.router import Router
-from router_service.serve_app import create_app
 from tests.router_service.conftest import wait_idle
 
 pytestmark = pytest.mark.ray
@@ -36,12 +34,6 @@ def llm(ray_session):
               kv_cache_bytes=2**22, max_num_seqs=8, max_queue=32)
     yield llm
     llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(llm):
-    with TestClient(create_app(llm.router)) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
