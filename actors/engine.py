@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from actors.attention import AttentionMetadata
@@ -26,6 +27,9 @@ from actors.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.scheduler import Scheduler, Sequence
 from actors.weights import load_rank_weights
 from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
+
+# engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
+BIAS_SYNC_STEPS = 16
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,6 +129,7 @@ class RankEngine:
         local = [placement.local_experts(l, rank) for l in range(mc.num_layers)]
         self.device = cfg.torch_device
         weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype).items()}
+        self.group = group
         self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)
         self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
         self.model.experts = self._build_experts(weights, local)
@@ -370,11 +375,24 @@ class RankEngine:
                 self._append(seq, tok)
         t3 = time.perf_counter()
         self.timing["steps"] += 1
+        if self.group is not None and self.timing["steps"] % BIAS_SYNC_STEPS == 0:
+            self._sync_balancing_bias()
         self.timing["schedule_s"] += t1 - t0
         self.timing["forward_s"] += t2 - t1
         self.timing["sample_s"] += t3 - t2
         out, self.outputs = self.outputs, []
         return out
+
+    def _sync_balancing_bias(self) -> None:
+        """Average the `balanced` policy's per-expert bias over the EP group (one all_reduce of [L, E] fp32).
+
+        Each rank updates its bias from the loads of its own tokens; averaging every BIAS_SYNC_STEPS steps makes
+        the correction follow the cluster's expert load (what the experts, sharded over all ranks, actually
+        see) and keeps every rank's selection bias the same. Every rank runs the same number of steps, so
+        every rank joins this collective at the same step."""
+        bias = self.model.gating_router.bias
+        dist.all_reduce(bias, op=dist.ReduceOp.SUM, group=self.group)
+        bias /= dist.get_world_size(self.group)
 
     def _append(self, seq: Sequence, tok: int) -> None:
         p = seq.params
