@@ -3,7 +3,7 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU wheel by default; with CUDA, install your torch into .venv first and set TORCH_SPEC= (empty).
+# With CUDA, install your torch into .venv first and set TORCH_SPEC= (empty: keep it).
 TORCH_SPEC ?= torch==2.13.0
 # Where torch comes from. Empty: pip's configured index (PyPI's Linux torch==2.13.0 is the CUDA build, several
 # GB); TORCH_INDEX=https://download.pytorch.org/whl/cpu takes the CPU build from PyTorch's index.

@@ -124,7 +124,8 @@ class SamplingParams:
         if bits is None:
             if name != KV_PROFILE_AUTO:
                 raise ValueError(f"kv_profile={name!r} needs a quantized KV cache; this deployment keeps the KV "
-                                 "cache in full precision (start it with --kv-bits 2, 3 or 4), so only null or "
+                                 "cache in full precision (start it with --kv-bits 2, 3 or 4, or engine_options.kv_bits in the Serve "
+                                 "config's cluster_options), so only null or "
                                  "'auto' is accepted")
             return
         if name != KV_PROFILE_AUTO and name not in served:

@@ -114,16 +114,25 @@ def test_api_key_is_required(stub):
 
 def test_client_cancel_aborts_and_frees_kv_blocks(stub):
     """Cancelling the call at the client aborts the request on its rank through the proxy: the rank stops
-    stepping long before max_tokens, and every KV block is free again."""
-    steps0 = sum(r.steps for r in _wait_idle(stub).ranks)
-    call = stub.Generate(pb.GenerateRequest(text="To be", sampling=pb.SamplingParams(
-        max_tokens=240, temperature=0, ignore_eos=True)), timeout=120, metadata=md())
-    got = 0
-    for r in call:
-        got += len(r.token_ids)
-        if got >= 2:
+    stepping long before max_tokens, and every KV block is free again. The 240 tokens take only a few seconds,
+    so a loaded machine can delay the cancel past the end: up to 3 tries, every one must free every block and
+    at least one must stop early (a proxy that never propagated the cancel fails all three)."""
+    stopped_early = []
+    for _ in range(3):
+        steps0 = sum(r.steps for r in _wait_idle(stub).ranks)
+        call = stub.Generate(pb.GenerateRequest(text="To be", sampling=pb.SamplingParams(
+            max_tokens=240, temperature=0, ignore_eos=True)), timeout=120, metadata=md())
+        got = 0
+        for r in call:
+            got += len(r.token_ids)
+            if got >= 2:
+                break
+        call.cancel()
+        s = _wait_idle(stub)
+        assert s.in_flight == 0 and s.kv_blocks_free == s.kv_blocks_total
+        steps = sum(r.steps for r in s.ranks) - steps0
+        assert steps >= 2
+        stopped_early.append(steps < 120)  # one step per token: it did not run to 240
+        if stopped_early[-1]:
             break
-    call.cancel()
-    s = _wait_idle(stub)
-    assert s.in_flight == 0 and s.kv_blocks_free == s.kv_blocks_total
-    assert 2 <= sum(r.steps for r in s.ranks) - steps0 < 120  # one step per token: it did not run to 240
+    assert any(stopped_early), stopped_early
