@@ -151,9 +151,24 @@ def cmd_serve(a) -> int:
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
     try:
         _wait_for_signal()
+        _drain(serve)
     finally:
         serve.shutdown()
     return 0
+
+
+def _drain(serve, timeout_s: float = 30.0) -> None:
+    """Before Serve stops its proxies: let requests in flight finish (up to `timeout_s` s) and end the rest with
+    a final retriable error event, so no client stream is cut without one (`MoerayServer.drain`)."""
+    import time
+
+    try:
+        ended = serve.get_app_handle("moeray").drain.remote(timeout_s).result(timeout_s=timeout_s + 30)
+        if ended:
+            print(f"moeray: ended {ended} request(s) still running after {timeout_s:.0f} s", file=sys.stderr)
+        time.sleep(0.5)  # let the proxies flush those final events
+    except Exception as e:  # noqa: BLE001 - shutting down anyway
+        print(f"moeray: drain failed ({type(e).__name__}: {e}); shutting down", file=sys.stderr)
 
 
 def _wait_for_signal() -> None:

@@ -123,6 +123,7 @@ class Router:
         self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
         self._recovering_since = 0.0  # time.monotonic() when it started
         self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
+        self._draining = False  # set by drain(): new requests are refused, running ones may finish
         self._start_pollers()
 
     def _start_pollers(self) -> None:
@@ -166,6 +167,8 @@ class Router:
                 raise EngineError("router is shut down")
             if self._recovering is not None:
                 raise EngineError(f"the EP group is being rebuilt after a rank failure ({self._recovering}); retry")
+            if self._draining:
+                raise EngineError("the server is shutting down; retry on another replica")
             if len(self._streams) >= self.max_queue:
                 raise OverloadedError(f"{len(self._streams)} requests in flight; the queue limit is {self.max_queue}")
             if rid in self._streams:
@@ -273,6 +276,23 @@ class Router:
                                     "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
             self._start_pollers()
         log.warning("EP group serving again after %.1f s (%d attempts)", time.monotonic() - t0, attempt)
+
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """Graceful shutdown: refuse new requests (retriable EngineError: HTTP 503 / gRPC UNAVAILABLE), let the
+        ones in flight finish for up to `timeout_s` seconds, then end the rest with a retriable error, so every
+        stream gets its final output before the front doors go away. Returns how many were ended that way."""
+        with self._lock:
+            self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = self.streams()
+        for st in left:  # the ranks let go of them (and their KV blocks) at once
+            with self._lock:
+                seq = next(self._seq)
+            self.cluster.ranks[st.rank].abort.remote(st.request_id, seq)
+            self._wake_others(st.rank, seq)
+        return self._fail_rank(None, "the server is shutting down; retry the request")
 
     # ------------------------------------------------------------------ lookups (front doors, metrics)
     def get_stream(self, request_id: str) -> RequestStream | None:

@@ -510,6 +510,11 @@ if serve is not None:
             return await self._unary(grpc_context, self.rpc.cluster_stats)
 
         # ------------------------------------------------------ Serve hooks
+        async def drain(self, timeout_s: float = 30.0) -> int:
+            """Graceful shutdown of this replica (`Router.drain`): refuse new requests, let running ones finish
+            for up to `timeout_s` s, end the rest with a retriable error. Returns how many were ended."""
+            return await asyncio.get_running_loop().run_in_executor(None, self.router.drain, timeout_s)
+
         def check_health(self) -> None:
             """Serve's replica health check. The router rebuilds a failed EP group itself (see
             `router_service.router`), so the replica stays healthy while it does; it is reported unhealthy

@@ -1,0 +1,34 @@
+"""Graceful shutdown (`Router.drain`, called by `moeray serve` on SIGINT / SIGTERM before Serve stops): new
+requests are refused with a retriable error, running ones may finish, the rest end with a final error output,
+and every KV block is free."""
+from __future__ import annotations
+
+import pytest
+
+from actors.sampling import SamplingParams
+from router_service.errors import EngineError
+from tests.router_service.conftest import start_llm, wait_idle
+
+
+@pytest.fixture(scope="module")
+def llm(ray_session, tiny_moe_dir):
+    llm = start_llm(tiny_moe_dir, ranks=1)
+    yield llm
+    llm.shutdown()
+
+
+def test_drain_finishes_short_ends_long_and_refuses_new(llm):
+    router = llm.router
+    total = wait_idle(router)["kv_blocks_total"]
+    short = router.submit("to be", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    long = router.submit("or not", SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True))
+    short.get(timeout=60), long.get(timeout=60)  # both decoding: the short one needs 3 more steps, the long 239
+    ended = router.drain(timeout_s=0.2)
+    assert ended == 1
+    assert short.result(timeout=5).finish_reason == "length" and len(short.out.token_ids) == 4
+    out = long.result(timeout=5)
+    assert out.finish_reason == "error" and "shutting down" in out.error and len(out.token_ids) < 240
+    with pytest.raises(EngineError, match="shutting down"):
+        router.submit("x", SamplingParams(max_tokens=2))
+    s = wait_idle(router)
+    assert s["kv_blocks_free"] == total and s["running"] == 0
