@@ -463,11 +463,6 @@ class QuantizedPagedKVCache(KVCache):
             st = self._new_state(first_block, name)
         return st
 
-    def sequence_length(self, seq: int) -> int:
-        """Tokens held for the sequence whose first logical block is `seq` (0 if unknown)."""
-        st = self._seqs.get(seq)
-        return st.length if st is not None else 0
-
     def fork(self, src_seq: int, dst_seq: int) -> None:
         """Copy-on-write fork: sequence `dst_seq` (a first logical block) continues from `src_seq`.
 
