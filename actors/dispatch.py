@@ -173,8 +173,16 @@ class AllToAllDispatcher(Dispatcher):
         self.group = group
         self.device = torch.device(device)
         self.comm_s = 0.0
-        self.sent_rows = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
+        self._sent = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
+        self._sent_fast = [0] * placement.num_layers  # rows of the one-token fast path (host ints: no tensor op)
         self.set_placement(placement)
+
+    @property
+    def sent_rows(self) -> torch.Tensor:
+        """[L, W] int64: rows this rank sent to each rank per layer (cumulative)."""
+        out = self._sent.clone()
+        out[:, self.rank] += torch.tensor(self._sent_fast, dtype=torch.int64, device=self.device)
+        return out
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Use `placement` from the next `run` on (the caller makes sure every rank switches at the same step).
@@ -182,9 +190,9 @@ class AllToAllDispatcher(Dispatcher):
         Raises:
             ValueError: its world_size or layer count differs from the dispatcher's.
         """
-        if placement.world_size != self.world or placement.num_layers != self.sent_rows.shape[0]:
+        if placement.world_size != self.world or placement.num_layers != self._sent.shape[0]:
             raise ValueError(f"placement world_size={placement.world_size}, layers={placement.num_layers}; "
-                             f"dispatcher has world_size={self.world}, layers={self.sent_rows.shape[0]}")
+                             f"dispatcher has world_size={self.world}, layers={self._sent.shape[0]}")
         self.placement = placement
         self._tables(placement)
 
@@ -201,6 +209,9 @@ class AllToAllDispatcher(Dispatcher):
             self.rep_local.append(torch.tensor([[i for _, i in reps] for reps in pad], dtype=torch.int64, device=dev))
             self.num_rep.append(torch.tensor([len(reps) for reps in layer], dtype=torch.int64, device=dev))
             self.rep_list.append([[r for r, _ in reps] for reps in layer] if M > 1 else None)
+        # layers where a global expert id is its own local row (one rank, no replicas): no table lookups
+        self.identity = [self.world == 1 and reps is None and loc == list(range(len(loc)))
+                         for reps, loc in zip(self.rep_list, placement.local_index)]
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
         t0 = time.perf_counter()
@@ -235,6 +246,14 @@ class AllToAllDispatcher(Dispatcher):
     def run(self, layer, x_TD, topk_ids_TK, topk_w_TK, experts, may_pad=True):
         T, K = topk_ids_TK.shape
         D = x_TD.shape[1]
+        if T == 1 and not may_pad and self.identity[layer]:  # one decode token on one rank: fewest ops
+            self._sent_fast[layer] += K
+            token = getattr(experts, "run_token", None)  # LocalExperts: no row copies at all
+            if token is not None:
+                y_KD = token(x_TD, topk_ids_TK[0])
+            else:
+                y_KD = experts(x_TD.expand(K, D).contiguous(), topk_ids_TK[0])
+            return topk_w_TK.to(y_KD.dtype) @ y_KD  # [1, K] @ [K, D]
         ids_P = topk_ids_TK.reshape(-1)
         tok_P = torch.arange(T, device=x_TD.device).repeat_interleave(K)
         padded = False
@@ -244,12 +263,12 @@ class AllToAllDispatcher(Dispatcher):
         ids_V, tok_V = (ids_P[keep_V], tok_P[keep_V]) if padded else (ids_P, tok_P)
         dest_V, local_V = self._route(layer, ids_V)
         if self.world == 1:
-            self.sent_rows[layer, 0] += ids_V.numel()
+            self._sent[layer, 0] += ids_V.numel()
             y_V = experts(x_TD[tok_V], local_V)
         else:
             order = torch.argsort(dest_V, stable=True)  # send buffer grouped by destination rank
             send_counts = torch.bincount(dest_V, minlength=self.world)
-            self.sent_rows[layer] += send_counts
+            self._sent[layer] += send_counts
             recv_counts = torch.empty_like(send_counts)
             self._a2a(recv_counts, send_counts, None, None)
             s_split, r_split = send_counts.tolist(), recv_counts.tolist()

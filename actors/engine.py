@@ -308,11 +308,15 @@ class RankEngine:
             slots.append(slot)
             pols.append(POLICIES.index(seq.params.gating or default))
         dev = self.device
-        rep = torch.tensor(counts, dtype=torch.int64)
-        slot_T = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64), rep).to(dev)
+        if meta.prefills:
+            rep = torch.tensor(counts, dtype=torch.int64)
+            expand = lambda vals: torch.repeat_interleave(torch.tensor(vals, dtype=torch.int64), rep).to(dev)  # noqa: E731
+        else:  # decode only: one token per sequence
+            expand = lambda vals: torch.tensor(vals, dtype=torch.int64, device=dev)  # noqa: E731
+        slot_T = expand(slots)
         policy_T = None
         if any(p != pols[0] for p in pols) or (pols and POLICIES[pols[0]] != default):
-            policy_T = torch.repeat_interleave(torch.tensor(pols, dtype=torch.int64), rep).to(dev)
+            policy_T = expand(pols)
         return GatingBatch(slots_T=slot_T, positions_T=pos, policy_T=policy_T)
 
     # ------------------------------------------------------------------------ step
@@ -339,12 +343,14 @@ class RankEngine:
         for j, seq in enumerate(decodes):
             tables[j, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
         dev = self.device
+        lens = [s.length for s in decodes]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=dev),
             decode_block_tables=tables.to(dev),
-            decode_context_lens=torch.tensor([s.length for s in decodes], dtype=torch.int64, device=dev),
+            decode_context_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
             prefills=[(a, b, c, t.to(dev)) for a, b, c, t in pf_meta],
+            decode_context_lens_host=lens,
         )
         return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
 

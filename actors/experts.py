@@ -9,6 +9,10 @@ import torch
 import torch.nn.functional as F
 
 
+# at most this many rows with distinct experts are run row by row (decode batches): fewer ops than sort + scatter
+SMALL_ROWS = 4
+
+
 class LocalExperts:
     """The experts of one layer that live on this rank.
 
@@ -20,15 +24,17 @@ class LocalExperts:
         self.w_gate_up = w_gate_up
         self.w_down = w_down
         self.num_local = w_gate_up.shape[0]
+        self._gu, self._dn = list(w_gate_up.unbind(0)), list(w_down.unbind(0))  # per-expert views: no select op
 
     def __call__(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
         """y[r] = expert[local_ids[r]](x[r]); rows may be in any order, R may be 0."""
         y = torch.empty_like(x_RD)
         if x_RD.shape[0] == 0:
             return y
-        if x_RD.shape[0] == 1:
-            e = int(local_ids_R[0])
-            return self._ffn(x_RD, e)
+        if x_RD.shape[0] <= SMALL_ROWS:  # decode: one host read of the ids, no sort/scatter
+            ids = local_ids_R.tolist()
+            if len(set(ids)) == len(ids):
+                return torch.cat([self._ffn(x_RD[r : r + 1], e) for r, e in enumerate(ids)])
         order = torch.argsort(local_ids_R, stable=True)
         counts = torch.bincount(local_ids_R, minlength=self.num_local).tolist()
         xs = x_RD[order]
@@ -41,6 +47,13 @@ class LocalExperts:
         y[order] = ys
         return y
 
+    def run_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor) -> torch.Tensor:
+        """One token through K experts (decode at batch 1): returns [K, D], row k = expert[local_ids[k]](x)."""
+        ids = local_ids_K.tolist()
+        if len(ids) == 1:
+            return self._ffn(x_1D, ids[0])
+        return torch.cat([self._ffn(x_1D, e) for e in ids])
+
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        g, u = F.linear(x, self.w_gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, self.w_down[e])
+        g, u = F.linear(x, self._gu[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(g) * u, self._dn[e])

@@ -174,8 +174,8 @@ def mixed_causal_attention(q_nHD: torch.Tensor, k_fp_CHD: torch.Tensor, v_fp_CHD
     mask = torch.cat([causal & ~quant, causal & quant], dim=1)  # [n, 2C]
     k = torch.cat([k_fp_CHD, k_dq_CHD]).float().transpose(0, 1)  # [H, 2C, D]
     v = torch.cat([v_fp_CHD, v_dq_CHD]).float().transpose(0, 1)
-    o = F.scaled_dot_product_attention(q_nHD.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale,
-                                       enable_gqa=k.shape[0] != q_nHD.shape[1])
+    o = F.scaled_dot_product_attention(q_nHD.float().transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                       scale=scale, enable_gqa=k.shape[0] != q_nHD.shape[1])[0]  # 4-D: faster GQA
     return o.transpose(0, 1)
 
 

@@ -12,6 +12,8 @@ from kernels.paged_attention import rope_tables
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32 and cast back (as transformers does)."""
+    if x.dtype == torch.float32:  # the CPU default: no casts (each op costs microseconds at decode)
+        return w * (x * torch.rsqrt((x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps)))  # sum: mean is slow
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
@@ -20,7 +22,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class Rotary:
     """Rotary position embedding (RoPE), default type, rotate-half convention of HF Llama/Qwen.
 
-    Caches cos/sin tables [max_pos, Dh] in fp32; `apply(x [T, H, Dh], positions [T])`.
+    Caches cos/sin tables [max_pos, Dh] in the compute dtype; `apply(x [T, H, Dh], positions [T])`.
+    rotate_half(x) * sin is computed as roll(x, Dh/2) * [-sin_a, sin_b] (the sign folded into the table),
+    and the last positions tensor's rows are reused, so the q and k of every layer in one step gather the
+    tables once (decode is bound by per-op overhead).
     """
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype, device=None):
@@ -28,12 +33,22 @@ class Rotary:
         self.cos = cos.to(dtype)
         self.sin = sin.to(dtype)
         self.half = head_dim // 2
+        self._sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=1).to(dtype)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin_signed)
+
+    def tables(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos [T, 1, Dh], signed sin [T, 1, Dh]) at `positions_T`; the same tensor object is looked up once."""
+        last = self._last
+        if last is not None and last[0] is positions_T:
+            return last[1], last[2]
+        cos = self.cos.index_select(0, positions_T).unsqueeze(1)
+        sin = self._sin_signed.index_select(0, positions_T).unsqueeze(1)
+        self._last = (positions_T, cos, sin)
+        return cos, sin
 
     def apply(self, x_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions_T].unsqueeze(1)  # [T, 1, Dh]
-        sin = self.sin[positions_T].unsqueeze(1)
-        x1, x2 = x_THD[..., : self.half], x_THD[..., self.half :]
-        return x_THD * cos + torch.cat([-x2, x1], dim=-1) * sin
+        cos, sin = self.tables(positions_T)
+        return torch.addcmul(x_THD * cos, x_THD.roll(self.half, -1), sin)
 
 
 def swiglu_mlp(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:

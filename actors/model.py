@@ -55,6 +55,7 @@ class MoEModel:
         ]
         # per-layer routed-expert token counts of this rank's tokens, [L, E] int64 (routing statistics)
         self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64, device=self.device)
+        self._routed: list[tuple[int, torch.Tensor]] = []  # (layer, ids [T, K]) of this forward, for expert_load
         self.on_route: Callable[[int, torch.Tensor], None] | None = None
         # (layer, h [T, D]) residual stream entering a MoE layer's FFN: lookahead expert prefetch reads it
         self.on_hidden: Callable[[int, torch.Tensor], None] | None = None
@@ -119,8 +120,7 @@ class MoEModel:
         else:
             topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         if topk_ids.numel():
-            # ids of -1 (padding) land in bin 0 and are dropped: no boolean-mask copy on the hot path
-            self.expert_load[l] += torch.bincount(topk_ids.reshape(-1) + 1, minlength=self.cfg.num_experts + 1)[1:]
+            self._routed.append((l, topk_ids))
             if self.on_route is not None:
                 self.on_route(l, topk_ids)
         out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l], may_pad=may_pad)
@@ -130,7 +130,7 @@ class MoEModel:
             g = torch.sigmoid(y[:, -1:])
             if shared_scale is not None:
                 g = g * shared_scale[:, None].to(g.dtype)
-            out = out + g * shared
+            out = torch.addcmul(out, g, shared)
         return out
 
     # ------------------------------------------------------------------------------ forward
@@ -143,6 +143,7 @@ class MoEModel:
         """
         cfg, w = self.cfg, self.w
         h = F.embedding(input_ids_T, w["embed"])
+        self._routed = []
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
             h = h + self.attention(l, rms_norm(h, w[p + "input_norm"], cfg.rms_norm_eps), positions_T, cache, meta)
@@ -150,7 +151,18 @@ class MoEModel:
                 self.on_hidden(l, h)
             x = rms_norm(h, w[p + "post_norm"], cfg.rms_norm_eps)
             h = h + (self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
+        self._count_load()
         return rms_norm(h, w["norm"], cfg.rms_norm_eps)
+
+    def _count_load(self) -> None:
+        """Add the step's routed ids of every layer to `expert_load` in one bincount (not one per layer).
+        Ids of -1 (padding) land in each layer's bin 0 and are dropped."""
+        if not self._routed:
+            return
+        E1 = self.cfg.num_experts + 1
+        flat = torch.cat([ids.reshape(-1) + (l * E1 + 1) for l, ids in self._routed])
+        self.expert_load += torch.bincount(flat, minlength=self.cfg.num_layers * E1).view(-1, E1)[:, 1:]
+        self._routed = []
 
     def logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden -> [N, V] logits in fp32."""

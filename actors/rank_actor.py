@@ -219,17 +219,20 @@ class RankWorker:
                            and self._commit_epoch <= self._applied_epoch):
                         self._cond.wait(timeout=5.0)
                     seen, stop, committed = self._wake_seq, self._stop, self._commit_epoch
-                flag[0], flag[1], flag[2], flag[3] = int(self.engine.has_work), seen, int(stop), -committed
                 if self.world_size > 1:
+                    flag[0], flag[1], flag[2], flag[3] = int(self.engine.has_work), seen, int(stop), -committed
                     t0 = time.perf_counter()
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
                     self.engine.timing["sync_s"] += time.perf_counter() - t0
-                agreed = int(flag[1])
-                if flag[2]:
+                    work, agreed, stop, committed = flag.tolist()
+                    committed = -committed
+                else:  # alone: nothing to agree on (and no tensor ops on the decode path)
+                    work, agreed = self.engine.has_work, seen
+                if stop:
                     break
-                if -int(flag[3]) > self._applied_epoch:  # committed on every rank: switch now, all together
-                    self._apply_placement(-int(flag[3]))
-                if not flag[0]:
+                if committed > self._applied_epoch:  # committed on every rank: switch now, all together
+                    self._apply_placement(committed)
+                if not work:
                     idle = True
                     continue
                 idle = False

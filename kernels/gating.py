@@ -10,6 +10,8 @@ Shape legend: T = tokens, E = routed experts, K = experts per token (top-k).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -24,6 +26,8 @@ def sanitize_router_logits(logits_TE: torch.Tensor) -> torch.Tensor:
         logits_TE: [T, E] float tensor. Returns a float32 [T, E] tensor (a copy only if needed).
     """
     x = logits_TE.float()
+    if math.isfinite(x.sum().item()):  # any nan/inf makes the sum non-finite; a finite overflow only costs the
+        return x                       # exact check below
     if bool(torch.isfinite(x).all()):
         return x
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)

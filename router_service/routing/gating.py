@@ -51,6 +51,7 @@ import torch
 from kernels.gating import sanitize_router_logits, select_experts_ref
 
 POLICIES = ("exact", "balanced", "capacity", "dynamic", "velocity", "sticky")
+_STATEFUL = ("velocity", "sticky")  # policies that read the previous token's routing state
 
 
 @dataclass(kw_only=True)
@@ -121,44 +122,66 @@ class Routing:
     may_pad: bool = False
 
 
-@dataclass(kw_only=True, slots=True)
 class GatingBatch:
     """Where the step's tokens come from (built by the engine once per step).
 
     slots_T: [T] int64 sequence state slot of each token. positions_T: [T] int64 position in its sequence.
     Tokens of one sequence are contiguous and in position order. policy_T: [T] int64 index into
     `POLICIES` per token, or None when every token uses the deployment policy.
+
+    The derived fields (`prev_row_T`, `last_rows`, `slots_last`, `fresh_T`, `has_inner`) are computed on
+    first use: only the policies with per-sequence recurrences (`velocity`, `sticky`) read them, so an
+    `exact` decode step pays none of their ops.
     """
 
-    slots_T: torch.Tensor
-    positions_T: torch.Tensor
-    policy_T: torch.Tensor | None = None
-    # derived: for each token, the row of the previous token of its sequence in this step (-1 if none)
-    prev_row_T: torch.Tensor = field(init=False)
-    # derived: rows that are the last of their sequence in this step (their state is stored)
-    last_rows: torch.Tensor = field(init=False)
-    # derived: waves[j] = rows that are the j-th token of their sequence in this step (recurrences)
-    waves: list[torch.Tensor] = field(init=False)
-    slots_last: torch.Tensor = field(init=False)
-    fresh_T: torch.Tensor = field(init=False)
-    has_inner: bool = field(init=False)
+    __slots__ = ("slots_T", "positions_T", "policy_T", "_derived", "waves")
 
-    def __post_init__(self) -> None:
-        T = self.slots_T.numel()
-        dev = self.slots_T.device
-        rows = torch.arange(T, device=dev)
-        same = torch.zeros(T, dtype=torch.bool, device=dev)
-        if T > 1:
-            same[1:] = (self.slots_T[1:] == self.slots_T[:-1]) & (self.positions_T[1:] == self.positions_T[:-1] + 1)
-        self.prev_row_T = torch.where(same, rows - 1, torch.full_like(rows, -1))
-        is_last = torch.ones(T, dtype=torch.bool, device=dev)
-        if T > 1:
-            is_last[:-1] = ~same[1:]
-        self.last_rows = rows[is_last]
-        self.slots_last = self.slots_T[self.last_rows]
-        self.fresh_T = self.positions_T == 0  # first token of a sequence: no predecessor
-        self.has_inner = bool(same.any()) if T > 1 else False
-        self.waves = []  # computed lazily by `wave_list`
+    def __init__(self, *, slots_T: torch.Tensor, positions_T: torch.Tensor, policy_T: torch.Tensor | None = None):
+        self.slots_T = slots_T
+        self.positions_T = positions_T
+        self.policy_T = policy_T
+        self._derived: tuple | None = None
+        self.waves: list[torch.Tensor] = []  # computed lazily by `wave_list`
+
+    def _derive(self) -> tuple:
+        if self._derived is None:
+            T = self.slots_T.numel()
+            dev = self.slots_T.device
+            rows = torch.arange(T, device=dev)
+            same = torch.zeros(T, dtype=torch.bool, device=dev)
+            if T > 1:
+                same[1:] = (self.slots_T[1:] == self.slots_T[:-1]) & (self.positions_T[1:] == self.positions_T[:-1] + 1)
+            prev_row = torch.where(same, rows - 1, torch.full_like(rows, -1))
+            is_last = torch.ones(T, dtype=torch.bool, device=dev)
+            if T > 1:
+                is_last[:-1] = ~same[1:]
+            last_rows = rows[is_last]
+            self._derived = (prev_row, last_rows, self.slots_T[last_rows], self.positions_T == 0,
+                             bool(same.any()) if T > 1 else False)
+        return self._derived
+
+    @property
+    def prev_row_T(self) -> torch.Tensor:
+        """[T] int64: the row of the previous token of the same sequence in this step (-1 if none)."""
+        return self._derive()[0]
+
+    @property
+    def last_rows(self) -> torch.Tensor:
+        """Rows that are the last of their sequence in this step."""
+        return self._derive()[1]
+
+    @property
+    def slots_last(self) -> torch.Tensor:
+        return self._derive()[2]
+
+    @property
+    def fresh_T(self) -> torch.Tensor:
+        """[T] bool: first token of a sequence (position 0: no predecessor)."""
+        return self._derive()[3]
+
+    @property
+    def has_inner(self) -> bool:
+        return self._derive()[4]
 
     def wave_list(self) -> list[torch.Tensor]:
         """Rows grouped by their offset inside their sequence's chunk: wave j depends on wave j-1 only."""
@@ -184,7 +207,14 @@ class RoutingState:
     prev_ids [S, L, Kmax] int64 (-1 = none): the last routed token's final expert set.
     prev_x [S, L, D]: that token's MoE layer input (velocity; allocated on first use). velocity [S, L] fp32
     (nan = unset).
+
+    Accounting is deferred: each step's final sets are queued (one small op per layer) and accounted together
+    for up to `WINDOW` steps in one vectorised pass, since on the decode path a dozen ops per step cost more
+    than the step's attention. Anything that reads `prev_ids` / `prev_x` calls `flush()` first (the
+    `sticky` and `velocity` policies, `GatingRouter.stats`), so readers always see every routed token.
     """
+
+    WINDOW = 32  # steps accounted together at most
 
     def __init__(self, num_slots: int, num_layers: int, num_experts: int, k_max: int, hidden: int,
                  device: torch.device | str = "cpu"):
@@ -197,9 +227,11 @@ class RoutingState:
         self.velocity = torch.full((num_slots, num_layers), float("nan"), device=device)
         self.thrash_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.thrash_n = torch.zeros(num_layers, dtype=torch.int64, device=device)
-        # layers routed in the current step, accounted by `flush` (batch, [(layer, ids [T, Kmax], x_last)])
+        # the current step (batch, [(layer, ids [T, K'], x_last)]) and the queued earlier steps, accounted by `flush`
         self.batch: GatingBatch | None = None
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self.window: list[tuple[GatingBatch, list]] = []
+        self._layer_idx: dict[tuple[int, ...], torch.Tensor] = {}
         self.lock = threading.Lock()  # stats() may flush from another thread
 
     def inputs(self) -> torch.Tensor:
@@ -211,37 +243,73 @@ class RoutingState:
 
     def record(self, layer: int, batch: GatingBatch, ids: torch.Tensor, x_TD: torch.Tensor) -> None:
         """Queue layer `layer`'s final expert sets of `batch` (and inputs, once a velocity policy asked for
-        them); `flush` accounts them. A step's layers are accounted together, in one set of ops, instead of
-        a dozen small ops per MoE layer on the decode path."""
+        them); `flush` accounts them."""
         if self.batch is not batch:
-            self.flush()
-        self.batch = batch
-        if ids.numel():
-            x_last = x_TD[batch.last_rows].float() if self.prev_x is not None else None
-            self.pending.append((layer, ids, x_last))
+            with self.lock:
+                self._close_step()
+                full = len(self.window) >= self.WINDOW
+            if full:
+                self.flush()
+        x_last = x_TD[batch.last_rows].float() if self.prev_x is not None and ids.numel() else None
+        with self.lock:  # stats() may flush from another thread between these lines
+            self.batch = batch
+            if ids.numel():
+                self.pending.append((layer, ids, x_last))
+
+    def _close_step(self) -> None:
+        """Move the current step to the window (caller holds the lock)."""
+        if self.pending:
+            self.window.append((self.batch, self.pending))
+        self.batch, self.pending = None, []
 
     def flush(self) -> None:
-        """Thrash accounting for the queued layers, then store each sequence's last token's sets. Called by
-        the next step's first `route` (before anything reads `prev_ids`) and by `GatingRouter.stats`.
-        A layer only reads its own `prev_ids` before its own record, so flushing mid-step is also safe."""
+        """Thrash accounting for every queued step, then store each sequence's last token's sets. Called before
+        anything reads `prev_ids`/`prev_x` and by `GatingRouter.stats`. Flushing mid-step (from another
+        thread) is safe: a layer reads its own `prev_ids` before its own record, and each layer's steps are
+        accounted in time order."""
         with self.lock:
-            batch, pend = self.batch, self.pending
-            self.batch, self.pending = None, []
-        if pend:
-            with torch.inference_mode():  # stats() may flush outside the step's inference mode
-                self._account(batch, pend)
+            self._close_step()
+            window, self.window = self.window, []
+        if not window:
+            return
+        with torch.inference_mode():  # stats() may flush outside the step's inference mode
+            run: list = []
+            for step in window:  # consecutive steps with the same layers and width are accounted together
+                if run and _run_key(run[-1]) != _run_key(step):
+                    self._account(run)
+                    run = []
+                run.append(step)
+            self._account(run)
 
-    def _account(self, batch: GatingBatch, pend: list) -> None:
-        layers = torch.tensor([l for l, _, _ in pend], dtype=torch.int64, device=self.prev_ids.device)
-        width = max(c.shape[1] for _, c, _ in pend)
-        cur = torch.stack([_pad(c, width) for _, c, _ in pend], dim=1)  # [T, Lm, K'], padded once below
+    def _account(self, steps: list) -> None:
+        """Jaccard distance of each token's final set to its predecessor's, for steps with the same layers.
+
+        A token's predecessor is the latest earlier token of its slot in these steps (tokens of a slot appear in
+        time order: steps in order, a sequence's rows contiguous and in position order), else the slot's stored
+        set; a token at position 0 has none."""
+        key = tuple(l for l, _, _ in steps[0][1])
+        layers = self._layer_idx.get(key)
+        if layers is None:
+            layers = self._layer_idx[key] = torch.tensor(key, dtype=torch.int64, device=self.prev_ids.device)
+        width = max(c.shape[1] for _, c, _ in steps[0][1])
+        cur = torch.cat([torch.stack([_pad(c, width) for _, c, _ in pend], dim=1) for _, pend in steps])  # [N, Lm, K']
         if width < self.k_max:
             cur = torch.cat([cur, cur.new_full((*cur.shape[:2], self.k_max - width), -1)], dim=2)
-        prev = self.prev_ids[batch.slots_T][:, layers]  # the predecessor's sets: stored ...
-        if batch.has_inner:  # ... or, inside a prefill, the previous row's
-            inside = batch.prev_row_T >= 0
-            prev[inside] = cur[batch.prev_row_T[inside]]
-        prev.masked_fill_(batch.fresh_T[:, None, None], -1)
+        if len(steps) == 1:
+            slots, pos = steps[0][0].slots_T, steps[0][0].positions_T
+        else:
+            slots = torch.cat([b.slots_T for b, _ in steps])
+            pos = torch.cat([b.positions_T for b, _ in steps])
+        N = slots.numel()
+        order = torch.argsort(slots, stable=True)  # slot groups, each in time order
+        so = slots[order]
+        same = torch.zeros(N, dtype=torch.bool, device=slots.device)
+        same[1:] = so[1:] == so[:-1]
+        pred = torch.empty_like(order)
+        pred[order] = torch.where(same, order.roll(1), -1)  # [N] row of the predecessor in these steps, or -1
+        inner = pred >= 0
+        prev = torch.where(inner[:, None, None], cur[pred.clamp(min=0)], self.prev_ids[slots][:, layers])
+        prev.masked_fill_((pos == 0)[:, None, None], -1)
         # Jaccard distance |A ^ B| / |A u B| per token and layer, by broadcasting over the K x K pairs
         vb = prev >= 0
         inter = ((cur[..., :, None] == prev[..., None, :]) & vb[..., None, :]).sum((2, 3))  # ids >= 0 never match -1
@@ -250,14 +318,22 @@ class RoutingState:
         d = torch.where(has, 1 - inter / (na + nb - inter).clamp(min=1), 0.0)
         self.thrash_sum.index_add_(0, layers, d.sum(0).double())
         self.thrash_n.index_add_(0, layers, has.sum(0))
-        self.prev_ids[batch.slots_last[:, None], layers[None, :]] = cur[batch.last_rows]
-        for l, _, x_last in pend:
-            if x_last is not None:
-                self.prev_x[batch.slots_last, l] = x_last
+        is_last = torch.ones(N, dtype=torch.bool, device=slots.device)
+        is_last[:-1] = ~same[1:]
+        last = order[is_last]  # each slot's latest token
+        self.prev_ids[slots[last][:, None], layers[None, :]] = cur[last]
+        for b, pend in steps:
+            for l, _, x_last in pend:
+                if x_last is not None:
+                    self.prev_x[b.slots_last, l] = x_last
 
     def thrash(self) -> list[float]:
         """Per-layer router thrash rate (mean Jaccard distance of consecutive tokens' sets; nan: no pairs)."""
         return [float(s) / int(n) if int(n) else float("nan") for s, n in zip(self.thrash_sum.tolist(), self.thrash_n.tolist())]
+
+
+def _run_key(step: tuple) -> tuple:
+    return tuple(l for l, _, _ in step[1]), max(c.shape[1] for _, c, _ in step[1])
 
 
 def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -305,8 +381,8 @@ class GatingRouter:
     # ------------------------------------------------------------------ entry point
     def route(self, layer: int, logits_TE: torch.Tensor, x_TD: torch.Tensor, batch: GatingBatch) -> Routing:
         """Route one MoE layer call; records per-sequence state and thrash. T may be 0."""
-        if self.state.batch is not batch:
-            self.state.flush()  # the previous step's sets, before any policy reads them
+        if self.state.batch is not batch and (batch.policy_T is not None or self.cfg.policy in _STATEFUL):
+            self.state.flush()  # the earlier steps' sets, before a policy that reads them
         T = logits_TE.shape[0]
         default = POLICIES.index(self.cfg.policy)
         if batch.policy_T is None or T == 0 or bool((batch.policy_T == default).all()):
