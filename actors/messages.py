@@ -69,3 +69,22 @@ def encode_outputs(outputs: list[TokenOutput]) -> bytes:
 
 def decode_outputs(data: bytes) -> list[TokenOutput]:
     return [TokenOutput(**d) for d in _unpack(data, "outputs")["items"]]
+
+
+def encode_failure(error: str) -> bytes:
+    """Rank -> router, last frame of a failed rank's output channel."""
+    return _pack("failed", {"error": error})
+
+
+def decode_frame(data: bytes) -> tuple[list[TokenOutput], str | None]:
+    """An output-channel frame -> (outputs, failure message or None); an empty frame is a heartbeat."""
+    if not data:
+        return [], None
+    d = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if d.get("v") != SCHEMA_VERSION:
+        raise ValueError(f"message schema version {d.get('v')} != {SCHEMA_VERSION}")
+    if d.get("type") == "failed":
+        return [], str(d["error"])
+    if d.get("type") != "outputs":
+        raise ValueError(f"expected an 'outputs' or 'failed' frame, got {d.get('type')!r}")
+    return [TokenOutput(**o) for o in d["items"]], None

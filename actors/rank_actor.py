@@ -13,11 +13,23 @@ rank `prepare_placement(placement, epoch)` (weights read off the step thread), t
 on every rank. A fourth flag carries `-committed_epoch`, so MAX gives minus the smallest epoch committed on
 all ranks; when that exceeds the applied epoch, every rank applies it in the same round, before the step.
 Sequences and KV caches are untouched, so requests in flight just continue under the new placement.
+
+Output channel. Outputs reach the router over a plain TCP stream (`open_output_channel`), not one Ray call per
+token: on the 2-core CPU machine a Ray `poll` round trip per decode step, and even a second thread woken per
+step to send, cost 1-1.5 ms of the rank's ~8 ms step (the GIL and the CPU are shared with the step thread); vLLM
+streams engine outputs over ZeroMQ for the same reason. The loop thread itself writes length-prefixed msgpack
+frames after each step (4-byte big-endian length, then `encode_outputs` bytes; an empty frame is a heartbeat,
+sent when idle for 1 s). An accept thread only authenticates the router (a per-channel random token, sent
+first) and hands the connection to the loop. A failed rank's last frames are its error outputs, then a
+`failed` frame. `poll` stays for in-process use (tests): outputs wait in the outbox while no channel is open.
 """
 from __future__ import annotations
 
+import hmac
 import os
+import secrets
 import socket
+import struct
 import threading
 import time
 import traceback
@@ -28,7 +40,9 @@ import torch.distributed as dist
 
 from actors.dispatch import ExpertPlacement
 from actors.engine import EngineConfig, RankEngine
-from actors.messages import GenerateRequest, TokenOutput, encode_outputs
+from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
+
+HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
 
 
 class RankWorker:
@@ -60,6 +74,10 @@ class RankWorker:
         self._applied_epoch = 0
         self._applied_step = 0
         self._pl_cond = threading.Condition()
+        self._channel: socket.socket | None = None  # listening socket of the output channel
+        self._new_conn: socket.socket | None = None  # authenticated, not yet adopted by the loop thread
+        self._conn: socket.socket | None = None  # the connection the loop thread writes to
+        self._last_send = 0.0
 
     # ------------------------------------------------------------------ bring-up
     def node_address(self) -> tuple[str, int]:
@@ -128,6 +146,86 @@ class RankWorker:
                 self._out_cond.wait(timeout=timeout_s)
             out, self._outbox = self._outbox, []
         return encode_outputs(out)
+
+    # ------------------------------------------------------------------ output channel
+    def open_output_channel(self) -> tuple[str, int, str]:
+        """Listen for the router's output connection; returns (host, port, token). One connection is served at a
+        time (a new one replaces the old); it must send the token (ASCII hex, newline-terminated) first."""
+        if self._channel is None:
+            host, _ = self.node_address()
+            srv = socket.socket()
+            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            srv.bind((host if host != "127.0.0.1" else "127.0.0.1", 0))
+            srv.listen(2)
+            self._channel = srv
+            self._channel_token = secrets.token_hex(16)
+            threading.Thread(target=self._serve_channel, name=f"rank{self.rank}-outputs", daemon=True).start()
+        host, port = self._channel.getsockname()[:2]
+        return host, port, self._channel_token
+
+    def _serve_channel(self) -> None:
+        while True:
+            try:
+                conn, _ = self._channel.accept()
+            except OSError:
+                return
+            try:
+                conn.settimeout(10.0)
+                got = b""
+                while not got.endswith(b"\n") and len(got) < 64:
+                    chunk = conn.recv(64 - len(got))
+                    if not chunk:
+                        break
+                    got += chunk
+                if not hmac.compare_digest(got.strip(), self._channel_token.encode()):
+                    conn.close()
+                    continue
+                conn.settimeout(30.0)  # a stuck peer fails a send instead of blocking the loop forever
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                conn.close()
+                continue
+            loop_alive = self._thread is not None and self._thread.is_alive()
+            with self._out_cond:
+                old, self._new_conn = self._new_conn, conn
+            if old is not None:
+                old.close()
+            if loop_alive:
+                self._bump(0)  # an idle loop adopts it at once (flushing what waited in the outbox)
+            else:  # the loop is gone (failed or stopped): deliver what is left from here
+                self._channel_tick(heartbeat=False)
+
+    def _channel_tick(self, heartbeat: bool = True) -> None:
+        """Loop thread: adopt a new connection, send waiting outputs, a heartbeat if due, and the `failed` frame."""
+        with self._out_cond:
+            if self._new_conn is not None:
+                if self._conn is not None:
+                    self._conn.close()
+                self._conn, self._new_conn = self._new_conn, None
+            if self._conn is None:
+                return
+            out, self._outbox = self._outbox, []
+        if out:
+            self._send(encode_outputs(out), out)
+        if self._failed is not None and self._conn is not None:
+            self._send(encode_failure(self._failed), [])
+        elif heartbeat and time.monotonic() - self._last_send >= HEARTBEAT_S:
+            self._send(b"", [])
+
+    def _send(self, data: bytes, outs: list[TokenOutput]) -> None:
+        """One frame to the router; on a broken connection the outputs go back to the outbox (for `poll` or the
+        next connection)."""
+        conn = self._conn
+        try:
+            conn.sendall(struct.pack(">I", len(data)) + data)
+            self._last_send = time.monotonic()
+        except OSError:
+            conn.close()
+            with self._out_cond:
+                if self._conn is conn:
+                    self._conn = None
+                self._outbox[:0] = outs
+                self._out_cond.notify_all()
 
     def stats(self) -> dict:
         s = self.engine.stats() if self.engine else {}
@@ -204,10 +302,16 @@ class RankWorker:
 
     # ------------------------------------------------------------------ loop
     def _emit(self, outs: list[TokenOutput]) -> None:
+        """Loop thread: send the step's outputs on the channel (or keep them in the outbox for `poll`)."""
+        if self._conn is not None and self._new_conn is None and not self._outbox:
+            if outs:
+                self._send(encode_outputs(outs), outs)
+            return
         if outs:
             with self._out_cond:
                 self._outbox.extend(outs)
                 self._out_cond.notify_all()
+        self._channel_tick(heartbeat=False)
 
     def _loop(self) -> None:
         agreed, idle = 0, True
@@ -215,10 +319,15 @@ class RankWorker:
         try:
             while True:
                 with self._cond:
-                    while (idle and self._wake_seq <= agreed and not self._stop
-                           and self._commit_epoch <= self._applied_epoch):
-                        self._cond.wait(timeout=5.0)
+                    if (idle and self._wake_seq <= agreed and not self._stop
+                            and self._commit_epoch <= self._applied_epoch):
+                        self._cond.wait(timeout=HEARTBEAT_S)
+                    still_idle = (idle and self._wake_seq <= agreed and not self._stop
+                                  and self._commit_epoch <= self._applied_epoch)
                     seen, stop, committed = self._wake_seq, self._stop, self._commit_epoch
+                if still_idle:
+                    self._channel_tick()  # a new connection, or a heartbeat
+                    continue
                 if self.world_size > 1:
                     flag[0], flag[1], flag[2], flag[3] = int(self.engine.has_work), seen, int(stop), -committed
                     t0 = time.perf_counter()
@@ -241,6 +350,7 @@ class RankWorker:
             self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
             traceback.print_exc()
             self._fail_all(self._failed)
+            self._channel_tick(heartbeat=False)  # the error outputs, then the `failed` frame
             with self._pl_cond:
                 self._pl_cond.notify_all()
         finally:

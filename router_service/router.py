@@ -1,7 +1,8 @@
 """Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
 
-One poller thread per rank long-polls `RankWorker.poll` and routes each `TokenOutput` to its
-request's stream. A request's stream ends with exactly one output whose `finish_reason` is set.
+One poller thread per rank reads the rank's output channel (a TCP stream of msgpack frames, see
+`actors.rank_actor`) and routes each `TokenOutput` to its request's stream. A request's stream ends with exactly
+one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
 any poller finds its rank dead (the actor is gone) or failed (its loop raised, e.g. a collective timed out
@@ -16,6 +17,8 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -24,12 +27,16 @@ from dataclasses import dataclass, field
 import ray
 from tokenizers import Tokenizer
 
-from actors.messages import GenerateRequest, TokenOutput, decode_outputs
+from actors.messages import GenerateRequest, TokenOutput, decode_frame
 from actors.sampling import SamplingParams
 from cluster.launcher import EPCluster
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 
 log = logging.getLogger("moeray.router")
+
+# seconds without any frame on a rank's output channel (it sends a heartbeat every second) before the router
+# asks the actor directly whether it is alive
+CHANNEL_SILENCE_S = 15.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,6 +102,22 @@ class RequestStream:
 
     def cancel(self) -> None:
         self.router.abort(self.request_id)
+
+
+def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
+    """n bytes from `conn`; `on_timeout()` runs on each socket timeout (it raises to give up). Raises
+    ConnectionError if the peer closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = conn.recv(n - len(buf))
+        except TimeoutError:
+            on_timeout()
+            continue
+        if not chunk:
+            raise ConnectionError("output channel closed")
+        buf += chunk
+    return bytes(buf)
 
 
 class Router:
@@ -217,22 +240,44 @@ class Router:
         return stream
 
     def _poll_rank(self, rank: int, gen: int) -> None:
+        """Read rank `rank`'s output channel until the generation ends; a dead or failed rank starts a rebuild.
+        Silence (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives."""
         actor = self.cluster.ranks[rank]
-        while not self._closed and gen == self._gen:
-            try:
-                outs = decode_outputs(ray.get(actor.poll.remote(1.0), timeout=60))
-            except Exception as e:  # noqa: BLE001 - the rank died or failed: rebuild the group
-                if not self._closed:
-                    self._on_rank_failure(gen, f"rank {rank} unreachable: {type(e).__name__}: {e}")
-                return
-            for o in outs:
-                with self._lock:
-                    stream = self._streams.get(o.request_id)
-                if stream is None:
-                    continue
-                stream._push(o)
-                if o.finish_reason is not None:
-                    self._finish(o.request_id)
+        conn = None
+        try:
+            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
+            conn = socket.create_connection((host, port), timeout=60)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(token.encode() + b"\n")
+            conn.settimeout(CHANNEL_SILENCE_S)
+
+            def alive() -> None:  # silence: ask the actor (raises if it is gone or failed)
+                h = ray.get(actor.health.remote(), timeout=60)
+                if not h["ok"]:
+                    raise RuntimeError(h["error"] or "loop thread stopped")
+
+            while not self._closed and gen == self._gen:
+                n = struct.unpack(">I", _recv_exact(conn, 4, alive))[0]
+                outs, failed = decode_frame(_recv_exact(conn, n, alive) if n else b"")
+                self._dispatch(outs)
+                if failed is not None:
+                    raise RuntimeError(failed)
+        except Exception as e:  # noqa: BLE001 - the rank died or failed: rebuild the group
+            if not self._closed and gen == self._gen:
+                self._on_rank_failure(gen, f"rank {rank} unreachable: {type(e).__name__}: {e}")
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _dispatch(self, outs: list[TokenOutput]) -> None:
+        for o in outs:
+            with self._lock:
+                stream = self._streams.get(o.request_id)
+            if stream is None:
+                continue
+            stream._push(o)
+            if o.finish_reason is not None:
+                self._finish(o.request_id)
 
     def _fail_rank(self, rank: int | None, err: str) -> int:
         """End every in-flight request on `rank` (None: on every rank) with `finish_reason="error"`.
