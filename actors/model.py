@@ -143,6 +143,8 @@ class MoEModel:
         """
         cfg, w = self.cfg, self.w
         h = F.embedding(input_ids_T, w["embed"])
+        if h.shape[0] == 0:  # a rank with no tokens only serves its experts to the others: no other op
+            return self._forward_empty(h)
         self._routed = []
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
@@ -153,6 +155,16 @@ class MoEModel:
             h = h + (self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
         self._count_load()
         return rms_norm(h, w["norm"], cfg.rms_norm_eps)
+
+    def _forward_empty(self, h_0D: torch.Tensor) -> torch.Tensor:
+        """T == 0: join every MoE layer's dispatch (the collectives pair up across ranks) and run the rows other
+        ranks send to this rank's experts; attention, norms and routing of zero tokens are skipped."""
+        ids = torch.zeros(0, max(self.cfg.top_k, 1), dtype=torch.int64, device=h_0D.device)
+        wts = torch.zeros(0, ids.shape[1], dtype=torch.float32, device=h_0D.device)
+        for l in range(self.cfg.num_layers):
+            if self.cfg.moe_layers[l]:
+                self.dispatcher.run(l, h_0D, ids, wts, self.experts[l], may_pad=False)
+        return h_0D
 
     def _count_load(self) -> None:
         """Add the step's routed ids of every layer to `expert_load` in one bincount (not one per layer).
