@@ -107,6 +107,22 @@ class EngineConfig:
         return torch.device(self.device)
 
 
+@dataclass(kw_only=True, slots=True)
+class StepPlan:
+    """One scheduled step: its sequences (prefills first), flattened token ids [T] and positions [T] (int64),
+    attention metadata and gating batch. `num_tokens` = T."""
+
+    seqs: list[Sequence]
+    ids: torch.Tensor
+    pos: torch.Tensor
+    meta: AttentionMetadata
+    gating: GatingBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.numel()
+
+
 class RankEngine:
     """Model shard, KV cache and scheduler of one rank.
 
@@ -138,6 +154,7 @@ class RankEngine:
             cfg.gating_config(), num_layers=mc.num_layers, num_experts=max(mc.num_experts, 1), top_k=max(mc.top_k, 1),
             renormalize=mc.norm_topk_prob, hidden=mc.hidden_size, num_slots=cfg.max_num_seqs + 1,
             has_shared_expert=mc.has_shared_expert, device=self.device)
+        self.dispatcher.max_experts_per_token = self.model.gating_router.state.k_max
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.cache = self._build_kv_cache()
@@ -357,23 +374,42 @@ class RankEngine:
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Schedule, run one forward (possibly with zero tokens), sample, emit outputs."""
+        return self.run(self.plan())
+
+    def plan(self, schedule: bool = True) -> StepPlan:
+        """Take new requests and aborts, schedule this step's batch and build its metadata. schedule=False: an
+        empty step (a rank that joins the others' collectives while taking nothing new)."""
         t0 = time.perf_counter()
-        self._drain_inbox()
-        batch = self.scheduler.schedule()
-        for seq, err in batch.failed:
-            self._release(seq.request_id)
-            self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="error", error=err))
-        for seq in batch.prefills:
-            if seq.request_id in self._kv_profile_of:
-                self.cache.bind(seq.block_table[0], self._kv_profile_of[seq.request_id])
-        ids, pos, meta = self._metadata(batch.prefills, batch.decodes)
-        seqs = batch.prefills + batch.decodes
-        gb = self._gating_batch(seqs, pos, meta)
+        if schedule:
+            self._drain_inbox()
+            batch = self.scheduler.schedule()
+            for seq, err in batch.failed:
+                self._release(seq.request_id)
+                self.outputs.append(TokenOutput(request_id=seq.request_id, finish_reason="error", error=err))
+            for seq in batch.prefills:
+                if seq.request_id in self._kv_profile_of:
+                    self.cache.bind(seq.block_table[0], self._kv_profile_of[seq.request_id])
+            prefills, decodes = batch.prefills, batch.decodes
+        else:
+            prefills, decodes = [], []
+        ids, pos, meta = self._metadata(prefills, decodes)
+        seqs = prefills + decodes
+        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=self._gating_batch(seqs, pos, meta))
+        self.timing["schedule_s"] += time.perf_counter() - t0
+        return plan
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, max_tokens_per_rank: int | None = None) -> list[TokenOutput]:
+        """Forward the planned step, sample, return the outputs. `max_tokens_per_rank`: the largest token count
+        of this step on any rank of the EP group (agreed by the lockstep loop), which lets the dispatcher use
+        fixed-capacity all-to-alls; None: unknown (counts are exchanged)."""
+        seqs, meta = plan.seqs, plan.meta
+        self.dispatcher.step_max_tokens = max_tokens_per_rank
         t1 = time.perf_counter()
-        h = self.model.forward(ids, pos, self.cache, meta, gb)
-        last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
+        h = self.model.forward(plan.ids, plan.pos, self.cache, meta, plan.gating)
         t2 = time.perf_counter()
         if seqs:
+            last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
             logits = self.model.logits(h[torch.tensor(last, dtype=torch.int64, device=self.device)]).cpu()
             toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, toks):
@@ -383,7 +419,6 @@ class RankEngine:
         self.timing["steps"] += 1
         if self.group is not None and self.timing["steps"] % BIAS_SYNC_STEPS == 0:
             self._sync_balancing_bias()
-        self.timing["schedule_s"] += t1 - t0
         self.timing["forward_s"] += t2 - t1
         self.timing["sample_s"] += t3 - t2
         out, self.outputs = self.outputs, []

@@ -315,7 +315,7 @@ class RankWorker:
 
     def _loop(self) -> None:
         agreed, idle = 0, True
-        flag = torch.zeros(4, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
+        flag = torch.zeros(5, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
         try:
             while True:
                 with self._cond:
@@ -328,12 +328,17 @@ class RankWorker:
                 if still_idle:
                     self._channel_tick()  # a new connection, or a heartbeat
                     continue
+                plan, t_max = None, None
                 if self.world_size > 1:
-                    flag[0], flag[1], flag[2], flag[3] = int(self.engine.has_work), seen, int(stop), -committed
+                    # this rank's step is planned before the agreement, so the group learns its largest token
+                    # count (the dispatcher's fixed capacity) in the same all_reduce
+                    plan = self.engine.plan() if self.engine.has_work and not stop else None
+                    n = plan.num_tokens if plan is not None else 0
+                    flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), seen, int(stop), -committed, n
                     t0 = time.perf_counter()
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
                     self.engine.timing["sync_s"] += time.perf_counter() - t0
-                    work, agreed, stop, committed = flag.tolist()
+                    work, agreed, stop, committed, t_max = flag.tolist()
                     committed = -committed
                 else:  # alone: nothing to agree on (and no tensor ops on the decode path)
                     work, agreed = self.engine.has_work, seen
@@ -345,7 +350,9 @@ class RankWorker:
                     idle = True
                     continue
                 idle = False
-                self._emit(self.engine.step())
+                if plan is None:  # alone, or the others have work: an empty step if nothing was planned here
+                    plan = self.engine.plan(schedule=self.world_size == 1)
+                self._emit(self.engine.run(plan, t_max))
         except Exception as e:  # noqa: BLE001 - a dead peer or a bug: fail in-flight requests loudly
             self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
             traceback.print_exc()

@@ -75,7 +75,7 @@ def test_channel_streams_outputs_after_authentication(worker):
     assert time.monotonic() - t0 < 5 * HEARTBEAT_S
     # a failure: the in-flight request's error output, then the `failed` frame
     _submit(worker, "doomed", 40, 3)
-    worker.engine.step = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+    worker.engine.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
     seen, failed = [], None
     while failed is None:
         outs, failed = _recv_frame(conn)
