@@ -315,10 +315,12 @@ class AllToAllDispatcher(Dispatcher):
         if self.world == 1:
             self._sent[layer, 0] += ids_V.numel()
             y_V = experts(x_TD[tok_V], local_V)
-        elif (self.step_max_tokens is not None
-              and self.step_max_tokens * max(K, self.max_experts_per_token) <= FIXED_MAX_ROWS):
+        elif self.step_max_tokens is not None and self.step_max_tokens * self.max_experts_per_token <= FIXED_MAX_ROWS:
+            # every rank computes the same C from agreed values only (never from its own K, which policies vary)
+            if K > self.max_experts_per_token:
+                raise RuntimeError(f"{K} experts per token exceed max_experts_per_token={self.max_experts_per_token}")
             y_V = self._run_fixed(layer, x_TD, tok_V, dest_V, local_V, experts,
-                                  self.step_max_tokens * max(K, self.max_experts_per_token))
+                                  self.step_max_tokens * self.max_experts_per_token)
         else:
             order = torch.argsort(dest_V, stable=True)  # send buffer grouped by destination rank
             send_counts = torch.bincount(dest_V, minlength=self.world)

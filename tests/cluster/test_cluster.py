@@ -39,6 +39,18 @@ def test_two_ranks_equal_one_rank(ray_session, model_path, llm2):
     assert all(row["tokens"] > 0 for row in s["layers"])
 
 
+def test_mixed_policies_across_ranks_equal_one_rank(ray_session, model_path, llm2):
+    """Requests with different gating policies (so different experts-per-token widths) on different ranks in
+    the same steps: the fixed-capacity dispatch must agree on its capacity from group-wide values only."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, gating=g)
+              for g in ("dynamic", "exact", "sticky", "dynamic")]
+    two = llm2.generate(PROMPTS, params)
+    with LLM(model=model_path, ranks=1, max_model_len=128, kv_cache_bytes=4 << 20) as llm1:
+        one = llm1.generate(PROMPTS, params)
+    assert all(o.error is None and len(o.token_ids) == 10 for o in two)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+
+
 def test_streaming_and_seeded_sampling(llm2):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=12, ignore_eos=True)
     stream = llm2.stream("To be", params)
