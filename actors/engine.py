@@ -356,9 +356,9 @@ class RankEngine:
             pos.append(i)
             slots.append(seq.block_table[i // bs] * bs + i % bs)
         M = max((len(s.block_table) for s in decodes), default=0)
-        tables = torch.zeros(len(decodes), M, dtype=torch.int64)
-        for j, seq in enumerate(decodes):
-            tables[j, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int64)
+        # one tensor from padded host lists (not one small tensor op per sequence)
+        tables = torch.tensor([s.block_table + [0] * (M - len(s.block_table)) for s in decodes],
+                              dtype=torch.int64).view(len(decodes), M)
         dev = self.device
         lens = [s.length for s in decodes]
         meta = AttentionMetadata(
@@ -409,8 +409,11 @@ class RankEngine:
         h = self.model.forward(plan.ids, plan.pos, self.cache, meta, plan.gating)
         t2 = time.perf_counter()
         if seqs:
-            last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
-            logits = self.model.logits(h[torch.tensor(last, dtype=torch.int64, device=self.device)]).cpu()
+            if meta.prefills:
+                last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
+                h = h[torch.tensor(last, dtype=torch.int64, device=self.device)]
+            # decode only: token i is sequence i's one new token, so every row is a last row, in order
+            logits = self.model.logits(h).cpu()
             toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, toks):
                 seq.num_cached = seq.length
