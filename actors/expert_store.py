@@ -572,23 +572,49 @@ class PackedLayerExperts:
             return torch.empty_like(x_RD)
         counts = torch.bincount(local_ids_R, minlength=self.num_local)  # [E_loc]
         used = counts.nonzero().flatten().tolist()
+        return self._run(x_RD, local_ids_R, counts, used, self._lookup(used))
+
+    def run_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor) -> torch.Tensor:
+        """One token [1, D] through K distinct local experts (decode at batch 1): returns [K, D]. When all K are
+        cached, each runs on the cached weights directly (no sort, scatter or bincount); otherwise, or with
+        repeated ids, the general path."""
+        ids = local_ids_K.tolist()
+        if self.num_local == 0 or len(set(ids)) != len(ids):
+            return self(x_1D.expand(len(ids), -1).contiguous(), local_ids_K)
+        ready = self._lookup(ids)
+        if len(ready) == len(ids):
+            return torch.cat([self._cached_ffn(x_1D, *ready[e]) for e in ids])
+        counts = torch.bincount(local_ids_K, minlength=self.num_local)
+        return self._run(x_1D.expand(len(ids), -1).contiguous(), local_ids_K, counts, ids, ready)
+
+    def _lookup(self, used: list[int]) -> dict[int, tuple]:
+        """Cache lookup of the `used` local experts, with the hit/prefetch counters."""
         ready = self.cache.lookup(used)
-        misses = [e for e in used if e not in ready]
         with self._lock:
             self.stats.add_lookups(self.layer, len(ready), len(used))
             if self._prefetched:
                 self.stats.add_prefetch(self.layer, len(self._prefetched), len(self._prefetched - set(used)))
                 self._prefetched.clear()
+        return ready
+
+    def _cached_ffn(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(x, gu).split(self.intermediate, dim=1)
+        # The product is rounded once to the activation dtype, as on the packed path.
+        if x.dtype == torch.float32:
+            return F.linear(F.silu(g) * u, dn)
+        return F.linear((F.silu(g.float()) * u.float()).to(x.dtype), dn)
+
+    def _run(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor, counts: torch.Tensor, used: list[int],
+             ready: dict[int, tuple]) -> torch.Tensor:
+        """The general path: rows sorted by expert; hits on cached weights, misses on the packed weights."""
+        misses = [e for e in used if e not in ready]
         order = torch.argsort(local_ids_R, stable=True)
         xs = x_RD[order]
         ys = torch.empty_like(xs)
         bounds = [0] + torch.cumsum(counts, 0).tolist()
         for e, (gu, dn) in ready.items():
             lo, hi = bounds[e], bounds[e + 1]
-            g, u = F.linear(xs[lo:hi], gu).split(self.intermediate, dim=1)
-            # The product is rounded once to the activation dtype, as on the packed path.
-            h = (F.silu(g.float()) * u.float()).to(xs.dtype)
-            ys[lo:hi] = F.linear(h, dn)
+            ys[lo:hi] = self._cached_ffn(xs[lo:hi], gu, dn)
         if misses and self.tier is not None:
             self._cold_ffn(xs, ys, counts, bounds, misses)
             if self.demand_fill and self.cache.capacity:

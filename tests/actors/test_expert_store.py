@@ -88,6 +88,25 @@ def test_hit_and_miss_paths_agree_fp32():
     assert all_hit(x[:0], ids[:0]).shape == (0, D)
 
 
+def test_one_token_path_equals_general_path():
+    """`run_token` (decode at batch 1) equals the general call on all hits, a partial miss and repeated ids,
+    and counts one lookup per expert either way."""
+    g = torch.Generator().manual_seed(3)
+    E, D, I = 5, 32, 48
+    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1,
+                                    bits=4, group_size=32)
+    x = torch.randn(1, D, generator=g)
+    for ids, warm in (([2, 4], [2, 4]), ([1, 3], [3]), ([0, 0], [0])):
+        a, b = _layer(2, packed), _layer(2, packed)
+        a.warm(warm)
+        b.warm(warm)
+        t = torch.tensor(ids)
+        y_tok, y_gen = a.run_token(x, t), b(x.expand(len(ids), D).contiguous(), t)
+        assert y_tok.shape == (len(ids), D) and _rel(y_tok, y_gen) < 1e-6
+        sa, sb = a.stats.summary()[0], b.stats.summary()[0]
+        assert sa["hit_rate"] == sb["hit_rate"]
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "predicted"])
 def test_eviction_policies(policy):
     loads = []
