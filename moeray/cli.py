@@ -38,7 +38,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4],
-                   help="quantize the KV cache to this many bits per element (default: full precision)")
+                   help="quantize the KV cache to this many bits per element (unset: full precision)")
     p.add_argument("--kv-extra-bits", type=int, nargs="+", default=None, choices=[2, 3, 4], metavar="B",
                    help="more KV widths served from the same page pool (needs --kv-bits); a request picks one by "
                         "naming the profile '<name>-<B>bit', e.g. prose-2bit")

@@ -29,7 +29,9 @@ def _worker(rank, world, port, model_dir, q):
     for step in range(1, 2 * BIAS_SYNC_STEPS + 1):
         eng.step()  # every rank steps the same number of times (as the lockstep loop guarantees)
         if step in (BIAS_SYNC_STEPS - 1, BIAS_SYNC_STEPS):
-            biases.append(eng.model.gating_router.bias.clone())
+            biases.append(eng.model.gating_router.bias.tolist())
+    # plain lists, not tensors: a tensor on an mp queue is shared by file descriptor, which the parent may try to
+    # open after this process has exited (FileNotFoundError under load)
     q.put((rank, biases))
     dist.barrier()
     dist.destroy_process_group()
@@ -49,8 +51,8 @@ def test_balancing_bias_is_averaged_over_ranks(tiny_model_dir):
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    before = [got[r][0] for r in (0, 1)]  # the step before a sync: each rank's own updates
-    after = [got[r][1] for r in (0, 1)]  # right after the sync
+    before = [torch.tensor(got[r][0]) for r in (0, 1)]  # the step before a sync: each rank's own updates
+    after = [torch.tensor(got[r][1]) for r in (0, 1)]  # right after the sync
     assert not torch.equal(before[0], before[1])  # they routed different tokens
     torch.testing.assert_close(after[0], after[1])
     assert after[0].abs().max() > 0

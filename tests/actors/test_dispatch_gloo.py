@@ -43,7 +43,7 @@ def _worker(rank, world, port, q, fixed=False, dtype=torch.float32):
         out = disp.run(0, x.to(dtype), ids, w, experts).float()
     if fixed:
         assert disp.sent_rows.sum().item() == 3 * ids.numel()
-    q.put((rank, out))
+    q.put((rank, out.numpy()))  # by value: a queued tensor is shared by fd, gone once this process exits
     dist.barrier()
     dist.destroy_process_group()
 
@@ -66,7 +66,7 @@ def test_three_ranks_equal_one_rank(fixed, dtype):
     procs = [ctx.Process(target=_worker, args=(r, 3, port, q, fixed, dtype)) for r in range(3)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=120) for _ in range(3))
+    got = {r: torch.from_numpy(a) for r, a in (q.get(timeout=120) for _ in range(3))}
     for p in procs:
         p.join(timeout=60)
     for r in range(3):

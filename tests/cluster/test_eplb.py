@@ -144,7 +144,8 @@ def _work(rank, world, port, placement, q):
         for pad in (False, True):
             w, ids = _routing(xs[rank], gate, pad)
             outs.append(disp.run(0, xs[rank], ids, w, experts))
-        q.put((rank, outs, disp.sent_rows[0].tolist(), sum(int((s < 0).sum()) for s in experts.seen)))
+        # arrays by value: a queued tensor is shared by fd, which is gone once this process exits
+        q.put((rank, [o.numpy() for o in outs], disp.sent_rows[0].tolist(), sum(int((s < 0).sum()) for s in experts.seen)))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -197,7 +198,7 @@ def test_three_ranks_with_replicas_equal_one_rank():
     for _ in range(3):
         rank, outs, sent, neg = q.get(timeout=120)
         assert not isinstance(outs, str), f"rank {rank}: {outs}"
-        got[rank] = (outs, sent, neg)
+        got[rank] = ([torch.from_numpy(o) for o in outs], sent, neg)
     for p in procs:
         p.join(timeout=60)
     for r in range(3):
