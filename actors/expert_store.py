@@ -711,6 +711,8 @@ class ExpertRuntime:
         self.num_experts = mc.num_experts
         self.prefetching = predictor.name != "none"
         self.policy = policy or ("predicted" if self.prefetching else "lru")
+        # per-layer predictor bookkeeping (~20% of a batch-1 step on CPU) only when something reads it
+        self._observing = self.prefetching or self.policy == "predicted"
         self.budget = min(mc.top_k + 1 if budget is None else budget, mc.num_experts)
         self.capacity = capacity
         self.min_prefetch_prob = min_prefetch_prob
@@ -802,7 +804,7 @@ class ExpertRuntime:
         self._ids: dict[int, torch.Tensor] = {}
         self._hidden: dict[int, torch.Tensor] = {}
         self._pred: dict[int, torch.Tensor] = {}
-        if T == 0:
+        if T == 0 or not self._observing:
             return
         key = [-1] * T
         prev = [-1] * T
@@ -835,12 +837,14 @@ class ExpertRuntime:
 
     def on_hidden(self, l: int, h_TD: torch.Tensor) -> None:
         """Residual stream entering layer l's FFN (kept for the lookahead predictor)."""
-        if self._T:
+        if self._T and self.prefetching:
             self._hidden[l] = h_TD
 
     def on_route(self, l: int, ids_TK: torch.Tensor) -> None:
-        """Layer l just routed: score the prediction made for it, learn, predict the next MoE layer, prefetch."""
-        if self._T == 0 or ids_TK.shape[0] != self._T:
+        """Layer l just routed: score the prediction made for it, learn, predict the next MoE layer, prefetch.
+        Without a prefetcher or predicted eviction there is nothing to learn or predict: it returns at once (the
+        router thrash metric is the gating router's, `stats()["routing"]["thrash"]`)."""
+        if self._T == 0 or ids_TK.shape[0] != self._T or not self._observing:
             return
         ids = ids_TK.detach().to("cpu", torch.int64)
         prev_layer = self._ids.get(self.prev_moe.get(l))
@@ -885,7 +889,8 @@ class ExpertRuntime:
         self.worker.wait_idle()
 
     def summary(self) -> dict:
-        """Per-layer metrics (stats.RoutingStats.summary) and totals: hit_rate, recall, precision, thrashing."""
+        """Per-layer metrics (stats.RoutingStats.summary) and totals: hit_rate, recall, precision, thrashing
+        (prediction and thrashing are nan without a prefetcher or predicted eviction: nothing is observed)."""
         per = self.stats.summary()
         c = self.stats.c
 
