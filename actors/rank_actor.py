@@ -156,7 +156,7 @@ class RankWorker:
             host, _ = self.node_address()
             srv = socket.socket()
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((host if host != "127.0.0.1" else "127.0.0.1", 0))
+            srv.bind((host, 0))
             srv.listen(2)
             self._channel = srv
             self._channel_token = secrets.token_hex(16)
