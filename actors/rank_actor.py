@@ -22,7 +22,7 @@ streams engine outputs over ZeroMQ for the same reason. The loop thread itself w
 frames after each step (4-byte big-endian length, then `encode_outputs` bytes; an empty frame is a heartbeat,
 sent when idle for 1 s). An accept thread only authenticates the router (a per-channel random token, sent
 first) and hands the connection to the loop. A failed rank's last frames are its error outputs, then a
-`failed` frame. `poll` stays for in-process use (tests): outputs wait in the outbox while no channel is open.
+`failed` frame. Outputs wait in the outbox while no channel is open (or after a broken one).
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ class RankWorker:
         self._cond = threading.Condition()
         self._wake_seq = 0
         self._stop = False
-        self._out_cond = threading.Condition()
+        self._out_lock = threading.Lock()  # outbox and connection hand-over (accept thread <-> loop thread)
         self._outbox: list[TokenOutput] = []
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
@@ -134,20 +134,6 @@ class RankWorker:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
-    def poll(self, timeout_s: float = 1.0) -> bytes:
-        """Block up to `timeout_s` for new outputs; returns msgpack (see `actors.messages`).
-
-        Raises RuntimeError (the failure) once this rank's loop has failed and its last outputs (the error
-        outputs of its sequences) were delivered: the router then rebuilds the EP group.
-        """
-        with self._out_cond:
-            if not self._outbox:
-                if self._failed is not None:
-                    raise RuntimeError(self._failed)
-                self._out_cond.wait(timeout=timeout_s)
-            out, self._outbox = self._outbox, []
-        return encode_outputs(out)
-
     # ------------------------------------------------------------------ output channel
     def open_output_channel(self) -> tuple[str, int, str]:
         """Listen for the router's output connection; returns (host, port, token). One connection is served at a
@@ -187,7 +173,7 @@ class RankWorker:
                 conn.close()
                 continue
             loop_alive = self._thread is not None and self._thread.is_alive()
-            with self._out_cond:
+            with self._out_lock:
                 old, self._new_conn = self._new_conn, conn
             if old is not None:
                 old.close()
@@ -198,7 +184,7 @@ class RankWorker:
 
     def _channel_tick(self, heartbeat: bool = True) -> None:
         """Loop thread: adopt a new connection, send waiting outputs, a heartbeat if due, and the `failed` frame."""
-        with self._out_cond:
+        with self._out_lock:
             if self._new_conn is not None:
                 if self._conn is not None:
                     self._conn.close()
@@ -214,19 +200,18 @@ class RankWorker:
             self._send(b"", [])
 
     def _send(self, data: bytes, outs: list[TokenOutput]) -> None:
-        """One frame to the router; on a broken connection the outputs go back to the outbox (for `poll` or the
-        next connection)."""
+        """One frame to the router; on a broken connection the outputs go back to the outbox (for the next
+        connection)."""
         conn = self._conn
         try:
             conn.sendall(struct.pack(">I", len(data)) + data)
             self._last_send = time.monotonic()
         except OSError:
             conn.close()
-            with self._out_cond:
+            with self._out_lock:
                 if self._conn is conn:
                     self._conn = None
                 self._outbox[:0] = outs
-                self._out_cond.notify_all()
 
     def stats(self) -> dict:
         s = self.engine.stats() if self.engine else {}
@@ -303,15 +288,14 @@ class RankWorker:
 
     # ------------------------------------------------------------------ loop
     def _emit(self, outs: list[TokenOutput]) -> None:
-        """Loop thread: send the step's outputs on the channel (or keep them in the outbox for `poll`)."""
+        """Loop thread: send the step's outputs on the channel (or keep them in the outbox until one is open)."""
         if self._conn is not None and self._new_conn is None and not self._outbox:
             if outs:
                 self._send(encode_outputs(outs), outs)
             return
         if outs:
-            with self._out_cond:
+            with self._out_lock:
                 self._outbox.extend(outs)
-                self._out_cond.notify_all()
         self._channel_tick(heartbeat=False)
 
     def _loop(self) -> None:
