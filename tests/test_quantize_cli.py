@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from actors.packed_checkpoint import is_packed_checkpoint, packed_layer_names, read_quant_config
 from moeray.cli import main
 from router_service.routing.prefetch import TRANSITIONS_FILE
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.bench_runner import run_bench_result
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +72,7 @@ def test_generate_serves_packed_model_with_triton(packed_dir, ray_session, capsy
 
 
 def test_gpu_bench_tiny_runs_under_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": REPO}
-    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_experts.py"), "--tiny"], env=env,
-                       capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stderr
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ")
-    keys = {kv.split("=")[0] for kv in last.split()[1:]}
+    keys = set(run_bench_result("gpu_experts.py", "--tiny"))
     assert {"bw_frac_3b_b1", "bw_frac_4b_b16", "ms_3b_b1", "fp16_ms_b16"} <= keys
 
 

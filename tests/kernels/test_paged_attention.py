@@ -12,6 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.bench_runner import run_bench_result  # noqa: E402
 from kernels.kv_quant import KVPages, dequantize_kv, fit_kv_profile, quantize_kv  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
     apply_rope,
@@ -134,16 +135,6 @@ def test_validation_errors():
 def test_gpu_kv_bench_tiny_runs_under_interpreter():
     """`bench/gpu_kv.py --tiny` runs the GPU benchmark's code path (random pages, the Triton kernel, the fp16
     baseline, the RESULT line) at tiny shapes on the CPU interpreter."""
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": repo}
-    r = subprocess.run([sys.executable, os.path.join(repo, "bench", "gpu_kv.py"), "--tiny"], env=env,
-                       capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stderr
-    last = r.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT ")
-    vals = dict(kv.split("=") for kv in last.split()[1:])
+    vals = run_bench_result("gpu_kv.py", "--tiny")
     assert {"bw_frac_3b_8k", "bw_frac_3b_32k", "ms_3b_32k", "fp16_ms_32k", "speedup_3b_32k"} <= set(vals)
     assert float(vals["ms_3b_32k"]) > 0
