@@ -26,6 +26,7 @@ from actors.model import MoEModel
 from actors.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.scheduler import Scheduler, Sequence
 from actors.weights import load_rank_weights
+from kernels.cpu_linear import bf16_linear_available
 from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
 
 # engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
@@ -38,10 +39,14 @@ class EngineConfig:
 
     kv_cache_bytes: KV memory budget of this rank in bytes. block_size: tokens per KV block.
     max_model_len: prompt + output tokens per sequence at most. dtype: compute dtype name.
+    weight_storage: "auto" keeps the weight matrices of a bf16 checkpoint in bf16 when computing in fp32 on
+    CPU and the bf16-weight kernel is available (`kernels.cpu_linear`: same values, half the bytes read per
+    decode step); "compute" casts every weight to `dtype`.
     """
 
     model: str
     dtype: str = "float32"
+    weight_storage: str = "auto"
     block_size: int = 16
     kv_cache_bytes: int = 64 * 2**20
     max_model_len: int = 1024
@@ -70,6 +75,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.weight_storage not in ("auto", "compute"):
+            raise ValueError(f"weight_storage={self.weight_storage!r} must be auto or compute")
         if self.kernel_backend not in ("torch", "triton"):
             raise ValueError(f"kernel_backend={self.kernel_backend!r} must be torch or triton")
         for name in ("kv_bits", "weight_bits"):
@@ -144,7 +151,9 @@ class RankEngine:
         dtype = cfg.torch_dtype
         local = [placement.local_experts(l, rank) for l in range(mc.num_layers)]
         self.device = cfg.torch_device
-        weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype).items()}
+        self.keep_bf16 = (cfg.weight_storage == "auto" and dtype == torch.float32 and self.device.type == "cpu"
+                          and bf16_linear_available())
+        weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype, self.keep_bf16).items()}
         self.group = group
         self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)
         self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
@@ -199,7 +208,7 @@ class RankEngine:
 
     # ------------------------------------------------------------------------ expert placement (EPLB)
     def prepare_placement(self, placement: ExpertPlacement) -> dict[str, torch.Tensor]:
-        """Read this rank's experts under `placement` (full precision, compute dtype, on the device) without
+        """Read this rank's experts under `placement` (full precision, stored as at start-up, on the device) without
         touching the running engine, so it may run on another thread while steps go on.
 
         Experts this rank already holds are copied from memory (plain path); the others are read from the
@@ -226,7 +235,7 @@ class RankEngine:
                 rows = torch.tensor([held[g] for g in new], dtype=torch.int64, device=self.device)
                 out[key_gu], out[key_dn] = self.model.w[key_gu][rows].clone(), self.model.w[key_dn][rows].clone()
                 continue
-            gu, dn = load_expert_weights(reader, mc, l, new, dtype)
+            gu, dn = load_expert_weights(reader, mc, l, new, dtype, self.keep_bf16)
             out[key_gu], out[key_dn] = gu.to(self.device), dn.to(self.device)
         return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_linear import linear
+
 
 # at most this many rows with distinct experts are run row by row (decode batches): fewer ops than sort + scatter
 SMALL_ROWS = 4
@@ -17,7 +19,8 @@ class LocalExperts:
     """The experts of one layer that live on this rank.
 
     Args:
-        w_gate_up: [E_loc, 2I, D] (gate rows first, then up), w_down: [E_loc, D, I], same dtype.
+        w_gate_up: [E_loc, 2I, D] (gate rows first, then up), w_down: [E_loc, D, I], same dtype: the
+            compute dtype, or bf16 with fp32 activations (`kernels.cpu_linear.linear`).
     """
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):
@@ -55,5 +58,5 @@ class LocalExperts:
         return torch.cat([self._ffn(x_1D, e) for e in ids])
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        g, u = F.linear(x, self._gu[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(g) * u, self._dn[e])
+        g, u = linear(x, self._gu[e]).chunk(2, dim=-1)
+        return linear(F.silu(g) * u, self._dn[e])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_linear import linear
 from kernels.paged_attention import rope_tables
 
 
@@ -53,5 +54,5 @@ class Rotary:
 
 def swiglu_mlp(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x); w_gate_up [2I, D] (gate rows first), w_down [D, I]."""
-    g, u = F.linear(x_TD, w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(g) * u, w_down)
+    g, u = linear(x_TD, w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(g) * u, w_down)

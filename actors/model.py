@@ -21,6 +21,7 @@ from actors.dispatch import Dispatcher
 from actors.experts import LocalExperts
 from actors.kv_cache import KVCache
 from actors.layers import Rotary, rms_norm, swiglu_mlp
+from kernels.cpu_linear import linear
 from kernels.gating import topk_softmax_ref
 from router_service.routing.gating import GatingBatch, GatingRouter
 
@@ -41,8 +42,9 @@ class MoEModel:
                  max_positions: int | None = None):
         self.cfg = cfg
         self.w = weights
-        self.dtype = weights["embed"].dtype
-        self.device = weights["embed"].device
+        # compute dtype: the norms are always in it; matrices may be stored bf16 (`actors.weights`, keep_bf16)
+        self.dtype = weights["norm"].dtype
+        self.device = weights["norm"].device
         self.dispatcher = dispatcher
         self.gating_router: GatingRouter | None = None
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
@@ -86,6 +88,9 @@ class MoEModel:
                 w[p + "moe_in_w"] = fused
                 for k, v in zip(keys, fused.split([t.shape[0] for t in parts])):
                     w[p + k] = v
+                # the router weight is also applied to hidden states outside the forward (lookahead prefetch,
+                # calibration): keep it in the compute dtype even when the fused matrix is stored bf16
+                w[p + "gate_w"] = w[p + "gate_w"].to(self.dtype)
         self.qkv_split = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
 
     # ------------------------------------------------------------------------------ blocks
@@ -93,7 +98,7 @@ class MoEModel:
                   meta: AttentionMetadata) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{l}."
         T = x_TD.shape[0]
-        q, k, v = F.linear(x_TD, w[p + "qkv_w"], w.get(p + "qkv_b")).split(self.qkv_split, dim=-1)
+        q, k, v = linear(x_TD, w[p + "qkv_w"], w.get(p + "qkv_b")).split(self.qkv_split, dim=-1)
         if cfg.qk_norm == "full":
             q, k = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps), rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
@@ -105,13 +110,13 @@ class MoEModel:
             q, k = rms_norm(q, w[p + "q_norm"], cfg.rms_norm_eps), rms_norm(k, w[p + "k_norm"], cfg.rms_norm_eps)
         q = self.rotary.apply(q, positions_T)
         o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
-        return F.linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
+        return linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
     def moe(self, l: int, x_TD: torch.Tensor, gating: GatingBatch | None = None) -> torch.Tensor:
         """Routed experts (+ shared expert) of MoE layer l. Ids of -1 (policies with fewer experts for
         some tokens) carry weight 0 and are never dispatched."""
         w, p, E = self.w, f"layers.{l}.", self.cfg.num_experts
-        y = F.linear(x_TD, w[p + "moe_in_w"])  # [T, E (+ 2 I_s + 1)]: router logits, shared gate/up, shared gate
+        y = linear(x_TD, w[p + "moe_in_w"])  # [T, E (+ 2 I_s + 1)]: router logits, shared gate/up, shared gate
         logits = y[:, :E]
         shared_scale, may_pad = None, False
         if self.gating_router is not None and gating is not None:
@@ -126,7 +131,7 @@ class MoEModel:
         out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l], may_pad=may_pad)
         if self.cfg.has_shared_expert:
             sg, su = y[:, E:-1].chunk(2, dim=-1)
-            shared = F.linear(F.silu(sg) * su, w[p + "shared_down"])
+            shared = linear(F.silu(sg) * su, w[p + "shared_down"])
             g = torch.sigmoid(y[:, -1:])
             if shared_scale is not None:
                 g = g * shared_scale[:, None].to(g.dtype)
@@ -142,7 +147,7 @@ class MoEModel:
         router which sequence each token belongs to (None: exact routing, no per-sequence state).
         """
         cfg, w = self.cfg, self.w
-        h = F.embedding(input_ids_T, w["embed"])
+        h = F.embedding(input_ids_T, w["embed"]).to(self.dtype)
         if h.shape[0] == 0:  # a rank with no tokens only serves its experts to the others: no other op
             return self._forward_empty(h)
         self._routed = []
@@ -178,4 +183,4 @@ class MoEModel:
 
     def logits(self, h_ND: torch.Tensor) -> torch.Tensor:
         """[N, D] final hidden -> [N, V] logits in fp32."""
-        return F.linear(h_ND, self.w["lm_head"]).float()
+        return linear(h_ND, self.w["lm_head"]).float()

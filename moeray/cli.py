@@ -37,6 +37,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank at most")
     p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--weight-storage", default="auto", choices=["auto", "compute"],
+                   help="auto: a bf16 checkpoint computed in fp32 on CPU keeps its matrices in bf16 (same values, half "
+                        "the bytes per decode step); compute: every weight in --dtype")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4],
                    help="quantize the KV cache to this many bits per element (unset: full precision)")
     p.add_argument("--kv-extra-bits", type=int, nargs="+", default=None, choices=[2, 3, 4], metavar="B",
@@ -72,7 +75,8 @@ def engine_kwargs(a) -> dict:
               dtype=a.dtype)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
-            "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating}
+            "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,
+            "weight_storage": a.weight_storage}
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
     kw["engine_options"] = {k: v for k, v in opts.items() if v is not None}

@@ -51,8 +51,10 @@ def hf_config(arch: str, num_experts: int = 8, num_layers: int = 2, **kw):
     raise ValueError(arch)
 
 
-def build_tiny_model(arch: str, out_dir: str, seed: int = 0, fused_experts: bool = False, **kw) -> str:
-    """Save a perturbed tiny `arch` model plus tokenizer to `out_dir`; returns `out_dir`."""
+def build_tiny_model(arch: str, out_dir: str, seed: int = 0, fused_experts: bool = False,
+                     save_dtype: torch.dtype | None = None, **kw) -> str:
+    """Save a perturbed tiny `arch` model plus tokenizer to `out_dir` (in `save_dtype`, default fp32);
+    returns `out_dir`."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -73,6 +75,8 @@ def build_tiny_model(arch: str, out_dir: str, seed: int = 0, fused_experts: bool
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight") or name.endswith("router.weight"):
                 p.copy_(torch.randn_like(p) * 0.6)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
     os.makedirs(out_dir, exist_ok=True)
     if fused_experts:
         from safetensors.torch import save_file

@@ -110,3 +110,40 @@ def test_tied_embeddings_and_dense_layers(tiny_model_dir):
     hf = load_hf(path)
     ours = make_engine(path).prompt_logits(PROMPTS[2])
     assert (ours - hf(torch.tensor([PROMPTS[2]])).logits[0]).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_dir, arch):
+    """A bf16 checkpoint served in fp32: with weight_storage=auto the matrices stay bf16 (exactly the
+    checkpoint's values, `kernels.cpu_linear`), and logits and greedy tokens equal both the all-fp32 engine
+    and transformers computing in fp32 over the same values."""
+    from kernels.cpu_linear import bf16_linear_available
+
+    path = tiny_model_dir(arch, num_layers=3, save_dtype=torch.bfloat16)
+    hf = load_hf(path)
+    eng = make_engine(path)
+    full = make_engine(path, weight_storage="compute")
+    kept = bf16_linear_available()
+    assert eng.keep_bf16 == kept and not full.keep_bf16
+    w = eng.model.w
+    assert w["layers.0.qkv_w"].dtype == eng.model.experts[0].w_gate_up.dtype == w["lm_head"].dtype == (
+        torch.bfloat16 if kept else torch.float32)
+    assert w["norm"].dtype == w["layers.0.gate_w"].dtype == torch.float32  # norms, router: compute dtype
+    assert full.model.w["layers.0.qkv_w"].dtype == torch.float32
+    for ids in PROMPTS:
+        ours, ref = eng.prompt_logits(ids), hf(torch.tensor([ids])).logits[0].float()
+        assert (ours - full.prompt_logits(ids)).abs().max().item() < 1e-4
+        assert (ours - ref).abs().max().item() < 1e-4
+    n = 10
+    got = run_to_completion(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert got == run_to_completion(full, PROMPTS, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    compared = 0
+    for i, p in enumerate(PROMPTS):
+        ref, margins = hf_greedy(hf, p, n)
+        compared += agree_until_small_margin(got[str(i)], ref, margins)
+    assert compared >= len(PROMPTS) * n // 2
+
+
+def test_weight_storage_is_validated():
+    with pytest.raises(ValueError, match="weight_storage"):
+        EngineConfig(model="m", weight_storage="int8")

@@ -41,12 +41,13 @@ def test_engine_flags_reach_the_cluster_options():
     add_parser(sub)
     a = sub.choices["serve"].parse_args(["--kv-bits", "3", "--kv-extra-bits", "2", "4", "--kv-profile", "auto",
                                          "--gating", "sticky", "--gating-option", "sticky_margin=0.1",
-                                         "--max-model-len", "512"])
+                                         "--max-model-len", "512", "--weight-storage", "compute"])
     kw = engine_kwargs(a)
     assert kw["max_model_len"] == 512
     opts = kw["engine_options"]
     assert opts["kv_bits"] == 3 and opts["kv_extra_bits"] == [2, 4] and opts["kv_profile"] == "auto"
     assert opts["gating"] == "sticky" and opts["gating_options"] == {"sticky_margin": 0.1}
+    assert opts["weight_storage"] == "compute"
     from cluster.config import ClusterConfig
 
     ClusterConfig(**kw).engine_config()  # accepted as is
