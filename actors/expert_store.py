@@ -42,6 +42,7 @@ Markov / affinity-based prefetch (ProMoE arXiv 2410.22134, ExFlow arXiv 2401.083
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -76,6 +77,10 @@ from router_service.routing.stats import RoutingStats, jaccard_distance
 log = logging.getLogger("moeray.experts")
 
 EVICTION_POLICIES = ("lru", "lfu", "predicted")
+# A step of at most this many token x expert cells does its prediction bookkeeping on Python lists (decode); larger
+# steps (prefill, big batches) use tensor ops. Measured on tiny-moe (E = 8) at batch 1 on CPU: the tensor path cost
+# ~1.5 ms per MoE layer, about a whole step's expert compute; the list path ~0.1 ms.
+SMALL_STEP_CELLS = 512
 
 
 # The Triton interpreter patches `triton.language` globally while a kernel runs, so two threads must not
@@ -584,6 +589,13 @@ class PackedLayerExperts:
         ready = self._lookup(ids)
         if len(ready) == len(ids):
             return torch.cat([self._cached_ffn(x_1D, *ready[e]) for e in ids])
+        if self.inline_fill and self.tier is None:
+            # Reference backend: a miss dequantizes its expert anyway, so each expert runs on its own dense pair
+            # (hit: cached; miss: dequantized now and offered to the cache), with no sort / bincount / scatter:
+            # the general path's bookkeeping cost ~0.4 ms per one-token call on CPU, half a dequantize.
+            protect = set(ids)
+            return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else self._miss_inline(x_1D, e, protect)
+                              for e in ids])
         counts = torch.bincount(local_ids_K, minlength=self.num_local)
         return self._run(x_1D.expand(len(ids), -1).contiguous(), local_ids_K, counts, ids, ready)
 
@@ -596,6 +608,16 @@ class PackedLayerExperts:
                 self.stats.add_prefetch(self.layer, len(self._prefetched), len(self._prefetched - set(used)))
                 self._prefetched.clear()
         return ready
+
+    def _miss_inline(self, x_RD: torch.Tensor, e: int, protect: set[int]) -> torch.Tensor:
+        """Rows `x_RD` through local expert `e`, not cached: dequantize it (reference backend), compute as a hit
+        would, and offer the pair to the cache (the demand fill costs nothing more)."""
+        gu, dn = self._deq(self.packed.gate_up[e], self.dtype), self._deq(self.packed.down[e], self.dtype)
+        y = self._cached_ffn(x_RD, gu, dn)
+        if self.demand_fill and self.cache.put(e, (gu, dn), protect):
+            with self._lock:
+                self.stats.add_fills(self.layer, 1)
+        return y
 
     def _cached_ffn(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
         g, u = F.linear(x, gu).split(self.intermediate, dim=1)
@@ -622,14 +644,8 @@ class PackedLayerExperts:
         elif misses and self.inline_fill:
             protect = set(used)
             for e in misses:
-                gu, dn = self._deq(self.packed.gate_up[e], self.dtype), self._deq(self.packed.down[e], self.dtype)
                 lo, hi = bounds[e], bounds[e + 1]
-                g, u = F.linear(xs[lo:hi], gu).split(self.intermediate, dim=1)
-                h = (F.silu(g.float()) * u.float()).to(xs.dtype)
-                ys[lo:hi] = F.linear(h, dn)
-                if self.demand_fill and self.cache.put(e, (gu, dn), protect):
-                    with self._lock:
-                        self.stats.add_fills(self.layer, 1)
+                ys[lo:hi] = self._miss_inline(xs[lo:hi], e, protect)
         elif misses:
             miss_counts = torch.zeros_like(counts)
             miss_counts[misses] = counts[misses]
@@ -813,13 +829,37 @@ class ExpertRuntime:
             key[start : start + n] = [k] * n
             prev[start + 1 : start + n] = range(start, start + n - 1)
         self._decode = meta.decode_tokens.tolist()
-        for j, t in enumerate(self._decode):
-            key[t] = int(meta.decode_block_tables[j, 0]) if meta.decode_block_tables.shape[1] else -1
-        self._key, self._prev = key, torch.tensor(prev, dtype=torch.int64)
+        if self._decode:
+            bt = meta.decode_block_tables
+            first = bt[:, 0].tolist() if bt.shape[1] else [-1] * len(self._decode)
+            for t, k in zip(self._decode, first):
+                key[t] = int(k)
+        # Small steps (decode) keep every piece of bookkeeping in Python lists: a few dozen tiny tensor ops per
+        # layer cost more than the layer's experts at batch 1 (see `SMALL_STEP_CELLS`).
+        self._small = T * self.num_experts <= SMALL_STEP_CELLS
+        self._key = key
+        self._prev = prev if self._small else torch.tensor(prev, dtype=torch.int64)
         if self.prefetching and self.first_moe is not None and self._decode:
             l = self.first_moe
-            pt = self._prev_token_ids(l, None)
-            self._predict_and_prefetch(l, None, pt, None)
+            if self._small:
+                self._predict_small(l, None, self._prev_tok_lists(l, None), None)
+            else:
+                self._predict_and_prefetch(l, None, self._prev_token_ids(l, None), None)
+
+    def _prev_tok_lists(self, l: int, ids: list[list[int]] | None) -> list[list[int]]:
+        """Per token, its predecessor's experts at layer l ([] where unknown); the list form of
+        `_prev_token_ids`."""
+        last = self._last.get(l, {})
+        out = [[] for _ in range(self._T)]
+        if ids is not None:
+            for t, p in enumerate(self._prev):
+                if p >= 0:
+                    out[t] = ids[p]
+        for t in self._decode:
+            v = last.get(self._key[t])
+            if v is not None:
+                out[t] = v
+        return out
 
     def _prev_token_ids(self, l: int, ids_TK: torch.Tensor | None) -> torch.Tensor:
         """`[T, K]` experts of each token's predecessor at layer l (-1 where unknown)."""
@@ -832,7 +872,7 @@ class ExpertRuntime:
         for t in self._decode:
             v = last.get(self._key[t])
             if v is not None:
-                out[t] = v
+                out[t] = torch.as_tensor(v, dtype=torch.int64)
         return out
 
     def on_hidden(self, l: int, h_TD: torch.Tensor) -> None:
@@ -846,6 +886,9 @@ class ExpertRuntime:
         router thrash metric is the gating router's, `stats()["routing"]["thrash"]`)."""
         if self._T == 0 or ids_TK.shape[0] != self._T or not self._observing:
             return
+        if self._small:
+            self._on_route_small(l, ids_TK.tolist())
+            return
         ids = ids_TK.detach().to("cpu", torch.int64)
         prev_layer = self._ids.get(self.prev_moe.get(l))
         prev_tok = self._prev_token_ids(l, ids)
@@ -856,25 +899,74 @@ class ExpertRuntime:
             self.stats.add_thrashing(l, jaccard_distance(prev_tok[has], ids[has], self.num_experts))
         self.predictor.observe(l, ids, prev_layer, prev_tok)
         self._ids[l] = ids
-        self._last[l] = {k: ids[t] for t, k in enumerate(self._key) if k >= 0}  # last token of each sequence wins
+        rows = ids.tolist()
+        self._last[l] = {k: rows[t] for t, k in enumerate(self._key) if k >= 0}  # last token of each sequence wins
         nl = self.next_moe.get(l)
         if self.prefetching and nl is not None:
             self._predict_and_prefetch(nl, ids, self._prev_token_ids(nl, None), self._hidden.get(l))
 
+    def _on_route_small(self, l: int, ids: list[list[int]]) -> None:
+        """`on_route` of a small step on Python lists (same counters, same learning, same prefetch)."""
+        prev_layer = self._ids.get(self.prev_moe.get(l))
+        prev_tok = self._prev_tok_lists(l, ids)
+        c = self.stats.c[l]
+        pred = self._pred.pop(l, None)
+        true = [{e for e in row if e >= 0} for row in ids]
+        if pred is not None:
+            for p, t in zip(pred, true):
+                ps = set(p)
+                c["pred_inter"] += len(ps & t)
+                c["pred_n"] += len(ps)
+                c["true_n"] += len(t)
+            c["pred_tokens"] += len(pred)
+        for p, t in zip(prev_tok, true):
+            a = {e for e in p if e >= 0}
+            if a:
+                c["thrash_sum"] += 1.0 - len(a & t) / len(a | t)
+                c["thrash_n"] += 1
+        self.predictor.observe_lists(l, ids, prev_layer, prev_tok)
+        self._ids[l] = ids
+        self._last[l] = {k: ids[t] for t, k in enumerate(self._key) if k >= 0}
+        nl = self.next_moe.get(l)
+        if self.prefetching and nl is not None:
+            self._predict_small(nl, ids, self._prev_tok_lists(nl, None), self._hidden.get(l))
+
+    def _predict_small(self, layer: int, prev_layer, prev_tok, hidden) -> None:
+        """`_predict_and_prefetch` on Python lists: scores per token, top-`budget` by a stable sort (ties: the
+        lower id, as the frequency predictor's tie-break intends)."""
+        s = self.predictor.scores_lists(layer, prev_layer, prev_tok, hidden, self._T)  # T lists of E
+        rng = range(self.num_experts)
+        pred = [heapq.nlargest(self.budget, rng, key=row.__getitem__) for row in s]
+        self._pred[layer] = pred
+        if len(s) == 1:
+            agg = top = s[0]
+        else:
+            agg = [sum(col) for col in zip(*s)]
+            top = [max(col) for col in zip(*s)]
+        self._prefetch(layer, sorted({g for p in pred for g in p}), agg, top)
+
     def _predict_and_prefetch(self, layer: int, prev_layer, prev_tok, hidden) -> None:
         s = self.predictor.scores(layer, prev_layer, prev_tok, hidden, self._T)  # [T, E]
-        pred = torch.topk(s, self.budget, dim=-1).indices  # [T, B]
+        # a stable sort, not topk: ties go to the lower id, as on the list path (topk's tie order is unspecified)
+        pred = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, : self.budget]  # [T, B]
         self._pred[layer] = pred
         store = self.layers[layer]
         if store is None or (store.cache.capacity == 0 and store.tier is None):
             return
-        agg = s.sum(0)  # [E] expected uses in the batch
+        # [E] expected uses in the batch and best per-token probability, read back once each
+        self._prefetch(layer, ExpertPredictor.union(pred), s.sum(0).tolist(), s.max(0).values.tolist())
+
+    def _prefetch(self, layer: int, union: list[int], agg: list[float], top: list[float]) -> None:
+        """Queue the predicted experts `union` (global ids) of `layer`: the likeliest (by `agg`, expected uses
+        in the batch) to the dequantized cache, the next ones to the cold tier's packed slots."""
+        store = self.layers[layer]
+        if store is None or (store.cache.capacity == 0 and store.tier is None):
+            return
         lo = self.local_of[layer]
-        scores = {i: float(agg[g]) for g, i in lo.items()}
+        scores = {i: agg[g] for g, i in lo.items()}
         store.cache.set_scores(scores)
-        top = s.max(0).values  # [E] best per-token probability
-        want = [lo[g] for g in ExpertPredictor.union(pred) if g in lo and float(top[g]) >= self.min_prefetch_prob]
-        want.sort(key=lambda i: -float(agg[self.local[layer][i]]))
+        want = [lo[g] for g in union if g in lo and top[g] >= self.min_prefetch_prob]
+        want.sort(key=lambda i: -agg[self.local[layer][i]])
         c = store.cache.capacity
         if c:
             store.request(want[:c], protect=set(want[:c]), prefetch=True)
@@ -981,8 +1073,11 @@ def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) ->
     arrives at no cost to the step. On CPU a fill is a full dequantize on a core the forward needs (and the
     prediction and bookkeeping are Python under the GIL): it costs as much as the miss it might avoid, so
     prefetching ahead cannot save time; the LRU cache filled inline by misses (`PackedLayerExperts.inline_fill`)
-    is the fastest (measured on 2 shared CPU cores, tiny-moe, bench/experts.py: C = E/2 with hybrid prefetch
-    is slower than without). A cold tier keeps the predictor everywhere: a cold miss makes the forward wait for a
+    is the fastest. Measured on 2 shared CPU cores, tiny-moe, 4-bit, batch 1, after the prediction bookkeeping
+    went to Python lists (~0.1 ms per layer) and dequantize was vectorised (~0.3-0.5 ms per matrix): C = E/2
+    with hybrid prefetch still takes ~1.6-1.9x the time of C = E/2 without, because more than half of the
+    prefetch fills are wasted (0.59 at b=1) and each fill is a whole dequantize, the cost of the miss it might
+    avoid, on a core that is not free. A cold tier keeps the predictor everywhere: a cold miss makes the forward wait for a
     read from the checkpoint file, which a prefetched read (a copy, no dequantize) hides.
     """
     if full:

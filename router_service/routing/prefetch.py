@@ -28,6 +28,7 @@ routed at that layer, and the predictor learns from the truth right after):
 from __future__ import annotations
 
 import json
+import math
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -45,6 +46,26 @@ TRANSITIONS_FILE = "expert_transitions.safetensors"
 
 def _moe_layer_list(num_layers: int, moe_layers: list[bool] | None) -> list[bool]:
     return list(moe_layers) if moe_layers is not None else [True] * num_layers
+
+
+def _ids_tensor(rows: list[list[int]] | None) -> torch.Tensor | None:
+    """Ragged id lists -> `[T, max len]` int64, padded with -1 (None stays None)."""
+    if rows is None:
+        return None
+    k = max((len(r) for r in rows), default=0)
+    return torch.tensor([list(r) + [-1] * (k - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), k)
+
+
+def _id_set(row) -> list[int]:
+    """Distinct valid (>= 0) ids of one token, in first-seen order (a multi-hot row's members)."""
+    return list(dict.fromkeys(e for e in row if e >= 0))
+
+
+def _softmax(v: list[float]) -> list[float]:
+    m = max(v)
+    ex = [math.exp(x - m) for x in v]
+    t = sum(ex)
+    return [x / t for x in ex]
 
 
 def _loglinear(logf: torch.Tensor, feats: list, weights, num_tokens: int) -> torch.Tensor:
@@ -190,6 +211,22 @@ class ExpertPredictor(ABC):
         s = self.scores(layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens)
         return torch.topk(s, b, dim=-1).indices
 
+    def scores_lists(self, layer: int, prev_layer: list[list[int]] | None, prev_tok: list[list[int]],
+                     hidden_TD: torch.Tensor | None, num_tokens: int) -> list[list[float]]:
+        """`scores` for a small batch given as Python lists: per token its E scores.
+
+        `prev_layer` / `prev_tok`: per token the expert ids (any length; empty or -1 entries: unknown). The
+        default converts to `[T, K]` tensors and calls `scores`; predictors with per-token state in Python
+        (`MarkovPredictor`, `HybridPredictor`) answer without tensor ops, which at decode batch 1 costs
+        ~10x less than the few dozen tiny tensor ops of `scores` (bench/experts.py decode table).
+        """
+        return self.scores(layer, _ids_tensor(prev_layer), _ids_tensor(prev_tok), hidden_TD, num_tokens).tolist()
+
+    def observe_lists(self, layer: int, ids: list[list[int]], prev_layer: list[list[int]] | None,
+                      prev_tok: list[list[int]]) -> None:
+        """`observe` for a small batch given as Python lists (same conventions as `scores_lists`)."""
+        self.observe(layer, _ids_tensor(ids), _ids_tensor(prev_layer), _ids_tensor(prev_tok))
+
     @staticmethod
     def union(pred_TB: torch.Tensor) -> list[int]:
         """Sorted distinct expert ids predicted for the batch."""
@@ -222,12 +259,56 @@ class FrequencyPredictor(ExpertPredictor):
     def __init__(self, num_layers, num_experts, top_k, moe_layers=None, counts: TransitionCounts | None = None,
                  prior_tokens: float | None = 256):
         super().__init__(num_layers, num_experts, top_k, moe_layers)
-        self.counts = counts.clone() if counts is not None else TransitionCounts.zeros(num_layers, num_experts)
+        self._counts = counts.clone() if counts is not None else TransitionCounts.zeros(num_layers, num_experts)
         if counts is not None and prior_tokens is not None and counts.tokens > prior_tokens:
             s = prior_tokens / counts.tokens
-            self.counts.inter *= s
-            self.counts.intra *= s
-            self.counts.freq *= s
+            self._counts.inter *= s
+            self._counts.intra *= s
+            self._counts.freq *= s
+        # The list path (`observe_lists`) keeps a Python copy of the counts it touches (`_py`) and queues its
+        # increments (`_pending`: flat indices into freq / inter / intra, tokens) for the tensors; reading
+        # `counts` applies them (three index_add_ ops for any number of steps).
+        self._py: dict[int, dict] = {}
+        self._pending: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self._pending_tokens = 0
+        self._layer_seen: list[bool] | None = None
+
+    @property
+    def counts(self) -> TransitionCounts:
+        """The transition counts, with every observation so far applied."""
+        if self._pending_tokens or self._pending[0]:
+            self._flush()
+        return self._counts
+
+    @counts.setter
+    def counts(self, c: TransitionCounts) -> None:
+        self._pending, self._pending_tokens, self._py, self._layer_seen = ([], [], []), 0, {}, None
+        self._counts = c
+
+    def _flush(self) -> None:
+        c, (fi, ii, ti) = self._counts, self._pending
+        for t, idx in ((c.freq, fi), (c.inter, ii), (c.intra, ti)):
+            if idx:
+                t.view(-1).index_add_(0, torch.tensor(idx, dtype=torch.int64), torch.ones(len(idx), dtype=t.dtype))
+        c.tokens += self._pending_tokens
+        self._pending, self._pending_tokens = ([], [], []), 0
+        self._counts_changed()
+
+    def _counts_changed(self) -> None:
+        """Hook: the tensors changed (subclasses drop tables derived from them)."""
+
+    def _py_layer(self, layer: int) -> dict:
+        """Python copy of one layer's counts: freq `[E]`, its sum, inter / intra `[E][E]` and row sums."""
+        d = self._py.get(layer)
+        if d is None:
+            c = self.counts
+            d = {"freq": c.freq[layer].tolist(), "inter": c.inter[layer].tolist(), "intra": c.intra[layer].tolist()}
+            d["fsum"] = sum(d["freq"])
+            d["inter_sum"] = [sum(r) for r in d["inter"]]
+            d["intra_sum"] = [sum(r) for r in d["intra"]]
+            d["dirty"] = set(range(2 * self.num_experts)) | {-1}  # rows (inter a, intra E + a) and logf (-1)
+            self._py[layer] = d
+        return d
 
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
         f = self.counts.freq[layer].float()
@@ -235,8 +316,47 @@ class FrequencyPredictor(ExpertPredictor):
         f = f - 1e-6 * torch.arange(self.num_experts, dtype=torch.float32)
         return f.expand(num_tokens, -1)
 
+    def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
+        f = self._py_layer(layer)["freq"]
+        row = [x - 1e-6 * b for b, x in enumerate(f)]
+        return [row] * num_tokens
+
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         self.counts.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+        self._py, self._layer_seen = {}, None
+        self._counts_changed()
+
+    def observe_lists(self, layer, ids, prev_layer, prev_tok):
+        """`TransitionCounts.observe` on Python lists: updates the Python copy now, the tensors on `counts`."""
+        E, d = self.num_experts, self._py_layer(layer)
+        fi, ii, ti = self._pending
+        if self._layer_seen is None:
+            self._layer_seen = self._counts.freq.any(1).tolist()
+        if layer == 0 or not any(self._layer_seen[:layer]):
+            self._pending_tokens += len(ids)
+        base, base2 = layer * E, layer * E * E
+        dirty, freq = d["dirty"], d["freq"]
+        for t, row in enumerate(ids):
+            cur = _id_set(row)
+            if not cur:
+                continue
+            self._layer_seen[layer] = True
+            dirty.add(-1)
+            for b in cur:
+                freq[b] += 1.0
+                fi.append(base + b)
+            d["fsum"] += len(cur)
+            for src, name, off, idx in ((prev_layer, "inter", 0, ii), (prev_tok, "intra", E, ti)):
+                if src is None:
+                    continue
+                m, ms = d[name], d[name + "_sum"]
+                for a in _id_set(src[t]):
+                    ra = m[a]
+                    for b in cur:
+                        ra[b] += 1.0
+                        idx.append(base2 + a * E + b)
+                    ms[a] += len(cur)
+                    dirty.add(off + a)
 
 
 class MarkovPredictor(FrequencyPredictor):
@@ -304,6 +424,55 @@ class MarkovPredictor(FrequencyPredictor):
     def scores(self, layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens):
         """`[T, E]` float32 probabilities (softmax of `logits`)."""
         return torch.softmax(self.logits(layer, prev_layer_ids_TK, prev_token_ids_TK, num_tokens), dim=-1)
+
+    def _counts_changed(self) -> None:
+        self._pmi_cache.clear()
+
+    def _py_tables(self, layer: int) -> dict:
+        """`_tables` as Python lists (log P(b), log P(b | a) rows), recomputed only for rows with new counts."""
+        d = self._py_layer(layer)
+        dirty = d["dirty"]
+        if dirty:
+            E, a = self.num_experts, self.alpha
+            if -1 in dirty:
+                tot = d["fsum"] + E * a
+                d["logf"] = [math.log((f + a) / tot) for f in d["freq"]]
+            lp = d.setdefault("lp", [None] * (2 * E))
+            for r in dirty:
+                if r < 0:
+                    continue
+                name, i = ("inter", r) if r < E else ("intra", r - E)
+                tot = d[name + "_sum"][i] + E * a
+                lp[r] = [math.log((m + a) / tot) for m in d[name][i]]
+            dirty.clear()
+        return d
+
+    def _logits_lists(self, layer, prev_layer, prev_tok, num_tokens, weights) -> list[list[float]]:
+        """Per token the E log-linear logits (class docstring), from the Python tables; `weights`: per feature."""
+        d = self._py_tables(layer)
+        E, logf, lp = self.num_experts, d["logf"], d["lp"]
+        out = []
+        for t in range(num_tokens):
+            s = list(logf)
+            for src, off, w in ((prev_layer, 0, weights[0]), (prev_tok, E, weights[1])):
+                if src is None:
+                    continue
+                for a in _id_set(src[t]):
+                    row = lp[off + a]
+                    for b in range(E):
+                        s[b] += w * (row[b] - logf[b])
+            out.append(s)
+        return out
+
+    def _weights_list(self, layer: int) -> list[float]:
+        """`weights[layer]` as floats (cached; rebuilt if `weights` is replaced)."""
+        if getattr(self, "_wl", (None,))[0] is not self.weights:
+            self._wl = (self.weights, self.weights.tolist())
+        return self._wl[1][layer]
+
+    def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
+        w = self._weights_list(layer)
+        return [_softmax(r) for r in self._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)]
 
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         super().observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
@@ -388,8 +557,20 @@ class HybridPredictor(ExpertPredictor):
         """`[T, E]` float32 probabilities (softmax of `logits`)."""
         return torch.softmax(self.logits(layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens), -1)
 
+    def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
+        w = MarkovPredictor._weights_list(self, layer)
+        rows = self.markov._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)
+        if hidden_TD is not None and self.lookahead.gate[layer] is not None:
+            for r, look in zip(rows, self.lookahead.log_probs(layer, hidden_TD).tolist()):
+                for b, v in enumerate(look):
+                    r[b] += w[2] * v
+        return [_softmax(r) for r in rows]
+
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         self.markov.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+
+    def observe_lists(self, layer, ids, prev_layer, prev_tok):
+        self.markov.observe_lists(layer, ids, prev_layer, prev_tok)
 
 
 def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None,

@@ -228,3 +228,65 @@ def test_auto_prefetch_rule():
     assert auto_prefetch("cpu", full=False) == "none"  # no spare core to hide a fill: LRU + inline fills
     assert auto_prefetch("cuda", full=False) == DEFAULT_PREDICTOR
     assert auto_prefetch("cpu", full=False, cold=True) == DEFAULT_PREDICTOR  # hide cold reads
+
+
+@pytest.mark.parametrize("predictor", ["markov", "hybrid"])
+def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, predictor):
+    """Decode steps keep the prediction bookkeeping on Python lists (`SMALL_STEP_CELLS`); forcing the tensor
+    path must give the same tokens and the same recall, precision and thrashing (fills run inline)."""
+    import actors.expert_store as es
+
+    def run(cells):
+        monkeypatch.setattr(es, "SMALL_STEP_CELLS", cells)
+        eng = make_engine(qwen_dir, weight_bits=4)
+        m = eng.model
+        rt = es.build_runtime(model_cfg=m.cfg, model=m, local=eng.expert_runtime.local,
+                              packed=[None if s is None else s.packed for s in eng.expert_runtime.layers],
+                              model_path=None, capacity=2, prefetch=predictor, async_prefetch=False)
+        eng.expert_runtime.detach()
+        rt.attach(m)
+        m.experts = rt.layers
+        toks = greedy(eng, PROMPTS[:2], max_tokens=8)
+        return toks, rt.summary()
+
+    (t_list, s_list), (t_tensor, s_tensor) = run(10**9), run(0)
+    assert t_list == t_tensor
+    for k in ("recall", "precision", "thrashing", "hit_rate"):
+        assert s_list[k] == pytest.approx(s_tensor[k], abs=1e-6), k  # thrashing: fp32 sums on the tensor path
+    assert s_list["recall"] > 0
+
+
+def test_one_token_miss_fills_the_cache_inline():
+    # run_token's own miss path (reference backend): the dequantized pair goes to the cache, results equal the
+    # general call's.
+    g = torch.Generator().manual_seed(5)
+    E, D, I = 4, 32, 40
+    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
+                                    torch.randn(E, D, I, generator=g) * 0.1, bits=3, group_size=32)
+    lay = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
+                             worker=PrefetchWorker(sync=True), stats=RoutingStats(), demand_fill=True)
+    x, ids = torch.randn(1, D, generator=g), torch.tensor([3, 1])
+    y = lay.run_token(x, ids)
+    assert _rel(y, _layer(0, packed)(x.expand(2, D).contiguous(), ids)) < 1e-6
+    assert lay.cache.resident == [1, 3] and lay.stats.summary()[0]["cache_fills"] == 2
+    assert torch.equal(lay.run_token(x, ids), y) and lay.stats.summary()[0]["hit_rate"] == 0.5
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_dequantize_vectorised_matches_the_formula(bits):
+    # The per-matrix vectorised unpack (2/4 bits by word shifts, 3 bits by 96-bit runs with two straddling codes)
+    # and the broadcast group scale/zero equal (q - z) * s element by element, with a tail group; `out=` too.
+    from kernels.packed_weights import quantize, unpack_codes
+
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(2, 5, 100, generator=g)
+    pw = quantize(w, bits=bits, group_size=32)
+    q = unpack_codes(pw.codes, bits, 100).float()
+    gi = torch.arange(100) // 32
+    ref = (q - pw.zeros.float()[..., gi]) * pw.scales.float()[..., gi]
+    assert torch.equal(dequantize(pw), ref) and dequantize(pw).is_contiguous()
+    out = torch.empty(2, 5, 100)
+    assert dequantize(pw, out=out) is out and torch.equal(out, ref)
+    assert torch.equal(dequantize(pw[1], torch.bfloat16), ref[1].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="out has shape"):
+        dequantize(pw, out=torch.empty(5, 100))

@@ -202,3 +202,65 @@ def test_hybrid_is_a_product_of_markov_and_lookahead():
     assert set(h.predict(1, prev, None, hid, 1)[0].tolist()) == {2, 7, 0}
     assert int(look.predict(1, None, None, hid, 1)[0, 0]) == 0
     assert set(h.predict(1, prev, None, None, 1)[0, :2].tolist()) == {2, 7}  # no hidden state: Markov alone
+
+
+@pytest.mark.parametrize("name", ["frequent", "markov", "hybrid", "lookahead", "none"])
+def test_list_path_matches_tensor_path(name):
+    """`scores_lists` / `observe_lists` (decode bookkeeping on Python lists) track `scores` / `observe`: same
+    scores after every update, same counts (and token count) when read back, with batches of 1 and 3 tokens,
+    padded (-1) ids and tokens without a predecessor."""
+    import random
+
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(0)
+    D = 16
+    gates = [torch.randn(E, D, generator=g) for _ in range(L)]
+    norms = [torch.rand(D, generator=g) + 0.5 for _ in range(L)]
+    c = TransitionCounts.zeros(L, E)
+    c.freq += torch.rand(L, E, generator=g) * 5
+    c.inter += torch.rand(L, E, E, generator=g) * 3
+    c.intra += torch.rand(L, E, E, generator=g) * 3
+    c.tokens = 100
+    kw = dict(num_layers=L, num_experts=E, top_k=K, counts=c, gate_weights=gates, norm_weights=norms)
+    a, b = make_predictor(name, **kw), make_predictor(name, **kw)
+
+    def pad(rows):
+        return torch.tensor([r + [-1] * (K - len(r)) for r in rows], dtype=torch.int64).reshape(len(rows), K)
+
+    prev = {}
+    for _ in range(12):
+        T = rng.choice([1, 1, 3])
+        pl = None
+        for l in range(L):
+            ids = [rng.sample(range(E), K) for _ in range(T)]
+            if rng.random() < 0.3:
+                ids[0][1] = -1
+            pt = [prev.get((l, t), []) for t in range(T)]
+            h = torch.randn(T, D, generator=g)
+            sa = a.scores(l, None if pl is None else pad(pl), pad(pt), h, T)
+            sb = b.scores_lists(l, pl, pt, h, T)
+            assert torch.allclose(sa, torch.tensor(sb), rtol=1e-4, atol=1e-6)
+            a.observe(l, pad(ids), None if pl is None else pad(pl), pad(pt))
+            b.observe_lists(l, ids, pl, pt)
+            prev.update({(l, t): ids[t] for t in range(T)})
+            pl = ids
+    for p, q in ((a, b), (getattr(a, "markov", None), getattr(b, "markov", None))):
+        if hasattr(p, "counts"):
+            for f in ("freq", "inter", "intra"):
+                assert torch.allclose(getattr(p.counts, f), getattr(q.counts, f))
+            assert p.counts.tokens == q.counts.tokens
+
+
+def test_list_observations_reach_the_counts_and_the_tensor_tables():
+    # observe_lists updates a Python copy at once and the tensors when `counts` is read; the tensor path
+    # (`scores`) must see them too (its cached PMI tables are rebuilt).
+    m = MarkovPredictor(L, E, K)
+    before = m.scores(1, torch.tensor([[0, 1]]), None, None, 1)
+    for _ in range(20):
+        m.observe_lists(0, [[0, 1]], None, [[]])
+        m.observe_lists(1, [[5, 6]], [[0, 1]], [[]])
+    assert float(m.counts.inter[1, 0, 5]) == 20 and float(m.counts.freq[1, 6]) == 20 and m.counts.tokens == 20
+    after = m.scores(1, torch.tensor([[0, 1]]), None, None, 1)
+    assert set(torch.topk(after, 2).indices[0].tolist()) == {5, 6}
+    assert not torch.allclose(before, after)
+    assert m.scores_lists(1, [[0, 1]], [[]], None, 1)[0] == pytest.approx(after[0].tolist(), rel=1e-4)
