@@ -185,6 +185,9 @@ class AllToAllDispatcher(Dispatcher):
         self.world = placement.world_size
         self.group = group
         self.device = torch.device(device)
+        # same-node shared-memory transport for the fixed-capacity exchange (`actors.shm_collective`; set by the
+        # rank actor when every rank is on one node), else None: torch.distributed for everything
+        self.shm = None
         self.comm_s = 0.0
         self.step_max_tokens: int | None = None  # set per step by the engine (None: unknown, exchange counts)
         self.max_experts_per_token = 1  # K' at most, over every gating policy (set by the engine)
@@ -230,7 +233,10 @@ class AllToAllDispatcher(Dispatcher):
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        if out_splits is None and self.shm is not None and self.shm.fits(inp.nbytes // self.world):
+            self.shm.all_to_all_single(out, inp)  # equal splits of an agreed size: every rank takes this branch
+        else:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         self.comm_s += time.perf_counter() - t0
 
     def _route(self, layer: int, ids_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

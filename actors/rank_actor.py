@@ -21,8 +21,11 @@ step to send, cost 1-1.5 ms of the rank's ~8 ms step (the GIL and the CPU are sh
 streams engine outputs over ZeroMQ for the same reason. The loop thread itself writes length-prefixed msgpack
 frames after each step (4-byte big-endian length, then `encode_outputs` bytes; an empty frame is a heartbeat,
 sent when idle for 1 s). An accept thread only authenticates the router (a per-channel random token, sent
-first) and hands the connection to the loop. A failed rank's last frames are its error outputs, then a
-`failed` frame. Outputs wait in the outbox while no channel is open (or after a broken one).
+first) and hands the connection to the loop. A failed rank sends a `failed` frame first, then the error outputs of
+its requests: the router fails every in-flight request of the group with one retriable error when it reads the
+`failed` frame and rebuilds the group, whichever rank noticed the failure first (a survivor of a dead peer notices
+within milliseconds on the shared-memory transport). Outputs wait in the outbox while no channel is open (or
+after a broken one).
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from actors.dispatch import ExpertPlacement
 from actors.engine import EngineConfig, RankEngine
 from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
+from actors.shm_collective import ShmAllToAll
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
 
@@ -69,6 +73,7 @@ class RankWorker:
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
         self.group = None
+        self.shm: ShmAllToAll | None = None  # same-node transport of the step's small all-to-alls (setup)
         # placement epochs: prepared (weights read), committed (ready to apply), applied (in use)
         self._prepared: dict[int, tuple[ExpertPlacement, dict]] = {}
         self._commit_epoch = 0
@@ -94,8 +99,15 @@ class RankWorker:
             port = s.getsockname()[1]
         return ip, port
 
-    def setup(self, master_addr: str, master_port: int, backend: str = "gloo", timeout_s: float = 10.0) -> dict:
-        """Join the process group (if world_size > 1), load weights, start the loop thread."""
+    def setup(self, master_addr: str, master_port: int, backend: str = "gloo", timeout_s: float = 10.0,
+              transport: str = "auto") -> dict:
+        """Join the process group (if world_size > 1), load weights, start the loop thread.
+
+        transport: "auto" also opens the shared-memory all-to-all (`actors.shm_collective`) for the step
+        agreement and the fixed-capacity decode dispatch when the backend is gloo and every rank is on this
+        node; "torch": torch.distributed for every collective. Returns {rank, pid, kv_blocks, transport}."""
+        if transport not in ("auto", "torch"):
+            raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
             # rendezvous may wait for slow-starting peers; collectives themselves time out after timeout_s
             store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=self.rank == 0,
@@ -103,10 +115,14 @@ class RankWorker:
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD
+            if backend == "gloo" and transport == "auto":
+                self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group)
+        self.engine.dispatcher.shm = self.shm
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
-        return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks}
+        return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
+                "transport": "shm+" + backend if self.shm is not None else (backend if self.world_size > 1 else "none")}
 
     # ------------------------------------------------------------------ router calls
     def _bump(self, seq: int) -> None:
@@ -183,7 +199,8 @@ class RankWorker:
                 self._channel_tick(heartbeat=False)
 
     def _channel_tick(self, heartbeat: bool = True) -> None:
-        """Loop thread: adopt a new connection, send waiting outputs, a heartbeat if due, and the `failed` frame."""
+        """Loop thread: adopt a new connection, send the `failed` frame (a failed rank), waiting outputs, and a
+        heartbeat if due."""
         with self._out_lock:
             if self._new_conn is not None:
                 if self._conn is not None:
@@ -192,11 +209,11 @@ class RankWorker:
             if self._conn is None:
                 return
             out, self._outbox = self._outbox, []
-        if out:
-            self._send(encode_outputs(out), out)
-        if self._failed is not None and self._conn is not None:
+        if self._failed is not None:
             self._send(encode_failure(self._failed), [])
-        elif heartbeat and time.monotonic() - self._last_send >= HEARTBEAT_S:
+        if out and self._conn is not None:
+            self._send(encode_outputs(out), out)
+        if self._failed is None and heartbeat and time.monotonic() - self._last_send >= HEARTBEAT_S:
             self._send(b"", [])
 
     def _send(self, data: bytes, outs: list[TokenOutput]) -> None:
@@ -323,8 +340,11 @@ class RankWorker:
                     flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), seen, int(stop), -committed, n
                     t0 = time.perf_counter()
                     # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
-                    # ~1.9 ms on the 2-core machine, this ~0.7 ms (tensors this small are latency-bound)
-                    dist.all_to_all_single(flags_in, flag.repeat(self.world_size), group=self.group)
+                    # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
+                    if self.shm is not None:
+                        self.shm.all_to_all_single(flags_in, flag.repeat(self.world_size))
+                    else:
+                        dist.all_to_all_single(flags_in, flag.repeat(self.world_size), group=self.group)
                     self.engine.timing["sync_s"] += time.perf_counter() - t0
                     work, agreed, stop, committed, t_max = flags_in.view(self.world_size, 5).amax(0).tolist()
                     committed = -committed
@@ -345,7 +365,7 @@ class RankWorker:
             self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
             traceback.print_exc()
             self._fail_all(self._failed)
-            self._channel_tick(heartbeat=False)  # the error outputs, then the `failed` frame
+            self._channel_tick(heartbeat=False)  # the `failed` frame, then the error outputs
             with self._pl_cond:
                 self._pl_cond.notify_all()
         finally:
@@ -354,6 +374,9 @@ class RankWorker:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001
                     pass
+            if self.shm is not None:
+                self.engine.dispatcher.shm = None
+                self.shm.close()
 
     def _fail_all(self, err: str) -> None:
         eng = self.engine
@@ -364,4 +387,5 @@ class RankWorker:
             eng.scheduler.abort(s.request_id)
             eng._release(s.request_id)
             outs.append(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
-        self._emit(outs)
+        with self._out_lock:  # sent by the next channel tick, after the `failed` frame
+            self._outbox.extend(outs)

@@ -33,6 +33,9 @@ class ClusterConfig:
     num_threads_per_rank: int = 1
     pg_timeout_s: float = 10.0
     placement_strategy: str = "PACK"
+    # "auto": on CPU (gloo) with every rank on one node, the decode step's small all-to-alls (step agreement,
+    # fixed-capacity dispatch) go through shared memory (`actors.shm_collective`); "torch": all via gloo/NCCL
+    transport: str = "auto"
     engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
 
     def __post_init__(self) -> None:
@@ -40,6 +43,8 @@ class ClusterConfig:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
+        if self.transport not in ("auto", "torch"):
+            raise ValueError(f"transport={self.transport!r} must be auto or torch")
         if self.num_cpus_per_rank <= 0:
             raise ValueError(f"num_cpus_per_rank={self.num_cpus_per_rank} must be > 0")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

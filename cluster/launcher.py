@@ -68,7 +68,7 @@ class EPCluster:
         try:
             # every actor process up before the rendezvous starts
             addr, port = ray.get([r.node_address.remote() for r in self.ranks], timeout=timeout_s)[0]
-            self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s) for r in self.ranks],
+            self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s, cfg.transport) for r in self.ranks],
                                 timeout=timeout_s)
         except BaseException:
             self._kill_ranks()

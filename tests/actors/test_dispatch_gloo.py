@@ -1,6 +1,7 @@
 """All-to-all dispatch over a real gloo group (no Ray): N ranks equal world_size == 1, including an
 expert count that does not divide by the rank count and ranks with zero tokens, with counts exchanged and
-with the fixed-capacity (decode) exchange, in fp32 and bf16 (ids in their own collective)."""
+with the fixed-capacity (decode) exchange, in fp32 and bf16 (ids in their own collective), over gloo alone and
+with the shared-memory transport."""
 from __future__ import annotations
 
 import os
@@ -27,14 +28,21 @@ def _data(seed=0):
     return wgu, wd, gate, xs
 
 
-def _worker(rank, world, port, q, fixed=False, dtype=torch.float32):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
+    from datetime import timedelta
+
+    from actors.shm_collective import ShmAllToAll
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     wgu, wd, gate, xs = _data()
     pl = ExpertPlacement.contiguous(1, E, world)
     loc = pl.local_experts(0, rank)
     experts = LocalExperts(wgu[loc], wd[loc])
     experts = LocalExperts(experts.w_gate_up.to(dtype), experts.w_down.to(dtype))
     disp = AllToAllDispatcher(pl, rank)
+    if shm:  # the same-node transport of the fixed exchange and the count exchange
+        disp.shm = ShmAllToAll.setup(store, rank, world, timeout_s=30.0)
     if fixed:  # what the lockstep loop agrees on: the largest token count of the step on any rank
         disp.step_max_tokens, disp.max_experts_per_token = max(len(t) for t in xs), K
     x = xs[rank]
@@ -43,13 +51,18 @@ def _worker(rank, world, port, q, fixed=False, dtype=torch.float32):
         out = disp.run(0, x.to(dtype), ids, w, experts).float()
     if fixed:
         assert disp.sent_rows.sum().item() == 3 * ids.numel()
+    if shm:
+        assert disp.shm.calls >= 3  # it carried the exchanges (fixed: rows and results; else: the counts)
+        disp.shm.close()
     q.put((rank, out.numpy()))  # by value: a queued tensor is shared by fd, gone once this process exits
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("fixed,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
-def test_three_ranks_equal_one_rank(fixed, dtype):
+@pytest.mark.parametrize("fixed,dtype,shm", [(False, torch.float32, False), (True, torch.float32, False),
+                                             (True, torch.bfloat16, False), (True, torch.float32, True),
+                                             (False, torch.float32, True)])
+def test_three_ranks_equal_one_rank(fixed, dtype, shm):
     wgu, wd, gate, xs = _data()
     pl1 = ExpertPlacement.contiguous(1, E, 1)
     ref_disp = AllToAllDispatcher(pl1, 0)
@@ -63,7 +76,7 @@ def test_three_ranks_equal_one_rank(fixed, dtype):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 3, port, q, fixed, dtype)) for r in range(3)]
+    procs = [ctx.Process(target=_worker, args=(r, 3, port, q, fixed, dtype, shm)) for r in range(3)]
     for p in procs:
         p.start()
     got = {r: torch.from_numpy(a) for r, a in (q.get(timeout=120) for _ in range(3))}

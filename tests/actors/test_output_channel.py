@@ -1,7 +1,7 @@
 """The rank's output channel (TCP frames instead of one Ray call per token), with an in-process RankWorker:
 a wrong token gets nothing, outputs produced before the router connects arrive on connect, a whole greedy
-generation streams in order, heartbeats flow while idle, and a failed rank's error outputs precede its
-`failed` frame."""
+generation streams in order, heartbeats flow while idle, and a failed rank's `failed` frame precedes its
+error outputs (the router fails the whole group's requests on the first)."""
 from __future__ import annotations
 
 import socket
@@ -73,13 +73,14 @@ def test_channel_streams_outputs_after_authentication(worker):
     t0 = time.monotonic()
     assert _recv_frame(conn) == ([], None)  # idle: a heartbeat
     assert time.monotonic() - t0 < 5 * HEARTBEAT_S
-    # a failure: the in-flight request's error output, then the `failed` frame
+    # a failure: the `failed` frame, then the in-flight request's error output
     _submit(worker, "doomed", 40, 3)
     worker.engine.run = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
-    seen, failed = [], None
+    failed = None
     while failed is None:
         outs, failed = _recv_frame(conn)
-        seen += outs
+        assert all(o.finish_reason != "error" for o in outs)
     assert "boom" in failed
-    assert any(o.request_id == "doomed" and o.finish_reason == "error" for o in seen)
+    outs, again = _recv_frame(conn)
+    assert again is None and any(o.request_id == "doomed" and o.finish_reason == "error" for o in outs)
     conn.close()

@@ -1,0 +1,219 @@
+"""Same-node all-to-all over POSIX shared memory: the CPU fast path for the decode step's small collectives.
+
+Why. On the 2-core CPU machine one gloo `all_to_all_single` of a few rows costs 0.55-0.85 ms
+(`python bench/collective_latency.py`), whatever the payload: TCP loopback, gloo's I/O threads and their
+wake-ups. A 4-layer decode step makes 9 of them (the step agreement, then dispatch and combine per MoE
+layer), so 2 ranks spend 5-8 ms per token in latency alone. Ranks on one node can exchange these few kB
+through shared memory instead, as vLLM's and SGLang's CPU backends do for their tensor-parallel
+collectives; this module measured ~0.1 ms per call on the same machine.
+
+What goes through it. Only collectives whose sizes every rank knows in advance: the lockstep loop's flag
+exchange and the fixed-capacity decode dispatch (`actors.dispatch.AllToAllDispatcher._run_fixed`), where
+every rank sends every rank the same number of bytes. The uneven, counts-first all-to-all (prefill, large
+batches) stays on torch.distributed (gloo), as does everything else. All ranks run the same sequence of
+collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()` depends
+only on the agreed size.
+
+Protocol (one segment per EP group). A header of W int64 counters (one 64-byte line each), then two banks
+(call parity) of W x W slots of `slot_bytes`. Call number k of rank r: copy the chunk for rank d into
+slot[k % 2][r][d], publish counter[r] = k + 1, then for every peer s wait until counter[s] >= k + 1 and copy
+slot[k % 2][s][r] out. Two banks are enough: a rank can start call k + 2 (overwriting bank k % 2) only after
+every peer has published k + 1, which each does only after it finished reading call k. The counter store
+follows the data stores in program order, which x86-64 (TSO) keeps visible in that order; the module is
+therefore only enabled on x86-64.
+
+Waiting. A waiting rank polls with `sched_yield` (the other processes sharing its core run first), and after
+`SPIN_S` it sleeps between polls (50 us growing to 1 ms), so a long wait does not burn a core. While waiting
+it checks that the peers' processes still exist, so a dead peer surfaces as an error at once (as a closed
+gloo socket does) rather than at the timeout. An idle cluster never waits here: the lockstep loop only enters
+collectives when some rank has work.
+
+Lifetime. Rank 0 creates the segment and publishes its name through the process group's TCPStore; once all
+ranks have attached, rank 0 unlinks the name, so the memory goes away with the last process even after a
+crash.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import time
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+SPIN_S = 0.002  # poll with sched_yield this long, then sleep between polls
+LINE = 64  # bytes per header counter (one cache line each: no false sharing between ranks' counters)
+# bytes per (source, destination) slot: the fixed-capacity decode dispatch sends C x (D + 1) fp32 per peer
+# (C = 256 rows, D = 4096: 4 MB); larger messages go through torch.distributed
+DEFAULT_SLOT_BYTES = 4 << 20
+
+
+def _node_id() -> str:
+    """Identifies this machine's shared-memory namespace (hostname + boot id)."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        pass
+    return f"{platform.node()}/{boot}"
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    # Python < 3.13 registers every attach with the resource tracker, which would unlink (or warn about) the
+    # segment when this process exits; rank 0 unlinks it explicitly once everyone is attached
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the documented workaround
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class ShmAllToAll:
+    """`all_to_all_single` with equal splits over a shared-memory segment, for W ranks on one node.
+
+    Build it with `setup` (collective over the TCPStore of the process group). Args (direct use, tests):
+        rank, world: this rank and the group size. name: the segment's name. slot_bytes: capacity per
+        (source, destination) pair in bytes. timeout_s: a wait longer than this raises. peer_pids: process id
+        of every rank (liveness checks). create: make the segment (rank 0) instead of attaching.
+
+    Raises:
+        RuntimeError (from `all_to_all_single`): a peer did not arrive within `timeout_s`, or its process exited.
+    """
+
+    def __init__(self, rank: int, world: int, name: str, slot_bytes: int, timeout_s: float,
+                 peer_pids: list[int], create: bool = False):
+        if world < 2 or not 0 <= rank < world:
+            raise ValueError(f"rank={rank}, world={world}: need world >= 2 and 0 <= rank < world")
+        self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
+        self.peer_pids = list(peer_pids)
+        size = world * LINE + 2 * world * world * slot_bytes
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        _untrack(self.shm)
+        self._counters = np.ndarray((world, LINE // 8), dtype=np.int64, buffer=self.shm.buf)[:, 0]
+        if create:
+            self._counters[:] = 0
+        self._data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=world * LINE,
+                                      count=2 * world * world * slot_bytes)
+        self._calls = 0
+        self.calls = 0  # completed calls (statistics)
+        self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
+
+    @classmethod
+    def setup(cls, store, rank: int, world: int, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES,
+              prefix: str = "moeray/shm") -> "ShmAllToAll | None":
+        """Collective over `store` (the process group's TCPStore): returns the group's transport, or None on
+        every rank when the ranks are not all on one node or the machine is not x86-64 (the caller then keeps
+        torch.distributed for everything)."""
+        store.set(f"{prefix}/node/{rank}", f"{_node_id()}|{os.getpid()}")
+        if rank == 0:
+            infos = [store.get(f"{prefix}/node/{r}").decode().split("|") for r in range(world)]
+            ok = platform.machine().lower() in ("x86_64", "amd64") and len({n for n, _ in infos}) == 1
+            name = f"moeray_{secrets.token_hex(6)}" if ok else ""
+            inst = cls(0, world, name, slot_bytes, timeout_s, [int(p) for _, p in infos], create=True) if ok else None
+            store.set(f"{prefix}/name", name)
+        else:
+            name = store.get(f"{prefix}/name").decode()
+            inst = None
+            if name:
+                pids = [int(store.get(f"{prefix}/node/{r}").decode().split("|")[1]) for r in range(world)]
+                inst = cls(rank, world, name, slot_bytes, timeout_s, pids)
+        if name:
+            store.add(f"{prefix}/attached", 1)
+            if rank == 0:  # unlink once everyone is attached: the memory then lives exactly as long as the ranks
+                deadline = time.monotonic() + max(timeout_s, 60.0)
+                while store.add(f"{prefix}/attached", 0) < world:
+                    if time.monotonic() > deadline:
+                        inst.close()
+                        raise RuntimeError(f"shared-memory transport: only {store.add(f'{prefix}/attached', 0)} "
+                                           f"of {world} ranks attached within {max(timeout_s, 60.0)} s")
+                    time.sleep(0.005)
+                inst.shm.unlink()
+        return inst
+
+    def fits(self, nbytes_per_peer: int) -> bool:
+        """Whether a call sending `nbytes_per_peer` bytes to each rank goes through shared memory."""
+        return nbytes_per_peer <= self.slot_bytes
+
+    def _slot(self, bank: int, src: int, dst: int, nbytes: int) -> torch.Tensor:
+        off = ((bank * self.world + src) * self.world + dst) * self.slot_bytes
+        return self._data[off: off + nbytes]
+
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """out[chunk s] = rank s's inp[chunk r] for every rank s (r = this rank), equal chunks along dim 0.
+
+        Args:
+            out, inp: contiguous CPU tensors of the same dtype and shape, dim 0 divisible by the world size,
+                at most `slot_bytes` per chunk (`fits`).
+        Raises:
+            ValueError: bad shapes. RuntimeError: a peer timed out or exited.
+        """
+        W, r = self.world, self.rank
+        if inp.shape != out.shape or inp.dtype != out.dtype or inp.shape[0] % W or not (
+                inp.is_contiguous() and out.is_contiguous()):
+            raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype}, out {tuple(out.shape)} "
+                             f"{out.dtype}: need equal contiguous shapes with dim 0 divisible by {W}")
+        src_b, dst_b = inp.view(-1).view(torch.uint8).view(W, -1), out.view(-1).view(torch.uint8).view(W, -1)
+        nb = src_b.shape[1]
+        if not self.fits(nb):
+            raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds slot_bytes={self.slot_bytes}")
+        bank, target = self._calls & 1, self._calls + 1
+        for d in range(W):
+            if d != r:
+                self._slot(bank, r, d, nb).copy_(src_b[d])
+        dst_b[r].copy_(src_b[r])
+        self._counters[r] = target  # publish after the data (x86-64 keeps store order)
+        for s in range(W):
+            if s != r:
+                if self._counters[s] < target:
+                    self._wait(s, target)
+                dst_b[s].copy_(self._slot(bank, s, r, nb))
+        self._calls = target
+        self.calls += 1
+
+    def _wait(self, s: int, target: int) -> None:
+        t0 = time.perf_counter()
+        sleep, polls = 0.0, 0
+        c = self._counters
+        while c[s] < target:
+            if sleep:
+                time.sleep(sleep)
+                sleep = min(sleep * 2, 1e-3)
+            else:
+                os.sched_yield()
+            polls += 1
+            if polls % 64 == 0:
+                waited = time.perf_counter() - t0
+                if waited > SPIN_S and not sleep:
+                    sleep = 5e-5
+                if waited > self.timeout_s:
+                    raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
+                if not _alive(self.peer_pids[s]):
+                    raise RuntimeError(f"shared-memory all_to_all: rank {s} (pid {self.peer_pids[s]}) exited")
+        self.wait_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Detach from the segment (the name is already unlinked after `setup`)."""
+        self._data = self._counters = None
+        try:
+            self.shm.close()
+        except BufferError:  # a tensor view still alive: the OS reclaims the mapping at exit
+            pass

@@ -1,0 +1,105 @@
+"""The shared-memory all-to-all (`actors.shm_collective`) against gloo's `all_to_all_single`, and its failure
+modes: a peer that exits or never arrives raises instead of hanging."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from actors.shm_collective import ShmAllToAll
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _equal_worker(rank, world, port, q):
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    shm = ShmAllToAll.setup(store, rank, world, timeout_s=30.0, slot_bytes=4096)
+    g = torch.Generator().manual_seed(rank)
+    mismatches = 0
+    for i in range(200):  # many calls in a row: both banks, reuse, sizes changing every call
+        rows = 1 + (i * 7) % 13
+        dtype = (torch.float32, torch.int64, torch.bfloat16)[i % 3]
+        inp = (torch.randn(world * rows, 3, generator=g) * 100).to(dtype)
+        want, got = torch.empty_like(inp), torch.empty_like(inp)
+        dist.all_to_all_single(want, inp)
+        shm.all_to_all_single(got, inp)
+        mismatches += int(not torch.equal(want, got))
+    with pytest.raises(ValueError, match="slot_bytes"):
+        big = torch.zeros(world * 2048, dtype=torch.int64)
+        shm.all_to_all_single(torch.empty_like(big), big)
+    q.put((rank, mismatches, shm.calls))
+    shm.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_equals_gloo_all_to_all_over_many_calls():
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_equal_worker, args=(r, 3, port, q)) for r in range(3)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(3))
+    for p in procs:
+        p.join(timeout=60)
+    assert res == [(0, 0, 200), (1, 0, 200), (2, 0, 200)]
+
+
+def _dying_worker(rank, port, q, mode):
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    shm = ShmAllToAll.setup(store, rank, 2, timeout_s=3.0)
+    x = torch.arange(4.0)
+    shm.all_to_all_single(torch.empty_like(x), x)  # one good call
+    if rank == 1:
+        if mode == "exit":
+            os._exit(0)  # the peer dies between calls
+        time.sleep(8)  # the peer stalls past the timeout
+        return
+    t0 = time.perf_counter()
+    try:
+        shm.all_to_all_single(torch.empty_like(x), x)
+        q.put(("no error", 0.0))
+    except RuntimeError as e:
+        q.put((str(e), time.perf_counter() - t0))
+
+
+@pytest.mark.parametrize("mode", ["exit", "stall"])
+def test_dead_or_stalled_peer_raises(mode):
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_dying_worker, args=(r, port, q, mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    msg, waited = q.get(timeout=60)
+    for p in procs:
+        p.join(timeout=30)
+    if mode == "exit":
+        assert "rank 1" in msg and "exited" in msg and waited < 2.0
+    else:
+        assert "did not arrive within 3.0 s" in msg and 3.0 <= waited < 6.0
+
+
+def test_bad_shapes_are_refused():
+    from multiprocessing import shared_memory
+
+    name = f"moeray_test_{os.getpid()}"
+    a = ShmAllToAll(0, 2, name, 1024, 1.0, [os.getpid()] * 2, create=True)
+    try:
+        with pytest.raises(ValueError, match="divisible by 2"):
+            a.all_to_all_single(torch.empty(3), torch.zeros(3))
+        with pytest.raises(ValueError, match="equal contiguous shapes"):
+            a.all_to_all_single(torch.empty(4), torch.zeros(4, dtype=torch.int64))
+    finally:
+        a.close()
+        shared_memory.SharedMemory(name=name).unlink()
