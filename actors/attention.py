@@ -1,8 +1,10 @@
-"""Attention over the paged KV cache (PyTorch reference path).
+"""Attention over the paged KV cache: `paged_attention` (what the engine runs) and the PyTorch reference.
 
-Decode sequences (one new token each) are batched: their blocks are gathered through the block
-table and attended with a length mask. Prefill sequences are attended one by one, causally, over
-their cached prefix plus the new tokens.
+Reference (`paged_attention_ref`): decode sequences (one new token each) are batched: their blocks are
+gathered through the block table and attended with a length mask. Prefill sequences are attended one by
+one, causally, over their cached prefix plus the new tokens. `paged_attention` runs the decode sequences
+through the compiled CPU kernel (`kernels.cpu_kernels.decode_attention`: one pass over the blocks, no gather
+or mask) when it applies, and the reference for the rest.
 
 Shape legend: T = tokens in the step, B = decode sequences, H = query heads, Hkv = KV heads,
 Dh = head_dim, M = max blocks per sequence, S = block_size, L = gathered context length.
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_kernels import decode_attention
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +43,28 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """cache [N, S, Hkv, Dh], block_table [..., M] -> [..., M*S, Hkv, Dh]."""
     g = cache.index_select(0, block_table.reshape(-1)).view(*block_table.shape, *cache.shape[1:])
     return g.reshape(*block_table.shape[:-1], -1, *cache.shape[2:])
+
+
+def paged_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Same contract as `paged_attention_ref`; decode sequences go through the compiled CPU kernel when it can
+    run (fp32 on CPU), prefills through the reference."""
+    if meta.decode_tokens.numel():
+        out = torch.empty_like(q_THD)
+        if decode_attention(q_THD, k_cache, v_cache, meta.decode_tokens, meta.decode_block_tables,
+                            meta.decode_context_lens, scale, out):
+            if meta.prefills:
+                pre = paged_attention_ref(q_THD, k_cache, v_cache, _prefills_only(meta), scale)
+                for start, n, _, _ in meta.prefills:
+                    out[start : start + n] = pre[start : start + n]
+            return out
+    return paged_attention_ref(q_THD, k_cache, v_cache, meta, scale)
+
+
+def _prefills_only(meta: AttentionMetadata) -> AttentionMetadata:
+    z = meta.decode_tokens[:0]
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, decode_tokens=z, decode_block_tables=meta.decode_block_tables[:0],
+                             decode_context_lens=z, prefills=meta.prefills)
 
 
 def paged_attention_ref(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -304,7 +304,10 @@ class AllToAllDispatcher(Dispatcher):
         D = x_TD.shape[1]
         if T == 1 and not may_pad and self.identity[layer]:  # one decode token on one rank: fewest ops
             self._sent_fast[layer] += K
-            token = getattr(experts, "run_token", None)  # LocalExperts: no row copies at all
+            combine = getattr(experts, "combine_token", None)  # LocalExperts: one call, no row copies at all
+            if combine is not None:
+                return combine(x_TD, topk_ids_TK[0], topk_w_TK)
+            token = getattr(experts, "run_token", None)  # packed experts: no row copies
             if token is not None:
                 y_KD = token(x_TD, topk_ids_TK[0])
             else:

@@ -26,7 +26,7 @@ from actors.model import MoEModel
 from actors.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.scheduler import Scheduler, Sequence
 from actors.weights import load_rank_weights
-from kernels.cpu_linear import bf16_linear_available
+from kernels.cpu_kernels import cpu_kernels_available
 from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
 
 # engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
@@ -40,7 +40,7 @@ class EngineConfig:
     kv_cache_bytes: KV memory budget of this rank in bytes. block_size: tokens per KV block.
     max_model_len: prompt + output tokens per sequence at most. dtype: compute dtype name.
     weight_storage: "auto" keeps the weight matrices of a bf16 checkpoint in bf16 when computing in fp32 on
-    CPU and the bf16-weight kernel is available (`kernels.cpu_linear`: same values, half the bytes read per
+    CPU and the bf16-weight kernel is available (`kernels.cpu_kernels`: same values, half the bytes read per
     decode step); "compute" casts every weight to `dtype`.
     """
 
@@ -152,7 +152,7 @@ class RankEngine:
         local = [placement.local_experts(l, rank) for l in range(mc.num_layers)]
         self.device = cfg.torch_device
         self.keep_bf16 = (cfg.weight_storage == "auto" and dtype == torch.float32 and self.device.type == "cpu"
-                          and bf16_linear_available())
+                          and cpu_kernels_available())
         weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype, self.keep_bf16).items()}
         self.group = group
         self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)

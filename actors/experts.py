@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear
+from kernels.cpu_kernels import expert_ffn, linear
 
 
 # at most this many rows with distinct experts are run row by row (decode batches): fewer ops than sort + scatter
@@ -20,7 +20,7 @@ class LocalExperts:
 
     Args:
         w_gate_up: [E_loc, 2I, D] (gate rows first, then up), w_down: [E_loc, D, I], same dtype: the
-            compute dtype, or bf16 with fp32 activations (`kernels.cpu_linear.linear`).
+            compute dtype, or bf16 with fp32 activations (`kernels.cpu_kernels.linear`).
     """
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):
@@ -34,7 +34,10 @@ class LocalExperts:
         y = torch.empty_like(x_RD)
         if x_RD.shape[0] == 0:
             return y
-        if x_RD.shape[0] <= SMALL_ROWS:  # decode: one host read of the ids, no sort/scatter
+        if x_RD.shape[0] <= SMALL_ROWS:  # decode: one compiled call (bf16 weights), else one host read of the ids
+            fused = expert_ffn(x_RD, self.w_gate_up, self.w_down, local_ids_R)
+            if fused is not None:
+                return fused
             ids = local_ids_R.tolist()
             if len(set(ids)) == len(ids):
                 return torch.cat([self._ffn(x_RD[r : r + 1], e) for r, e in enumerate(ids)])
@@ -56,6 +59,14 @@ class LocalExperts:
         if len(ids) == 1:
             return self._ffn(x_1D, ids[0])
         return torch.cat([self._ffn(x_1D, e) for e in ids])
+
+    def combine_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, weights_1K: torch.Tensor) -> torch.Tensor:
+        """One token through K experts, summed with its routing weights: [1, D] = sum_k w_k expert_k(x)."""
+        y = expert_ffn(x_1D, self.w_gate_up, self.w_down, local_ids_K, weights_1K)
+        if y is not None:
+            return y
+        y_KD = self.run_token(x_1D, local_ids_K)
+        return weights_1K.to(y_KD.dtype) @ y_KD
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
         g, u = linear(x, self._gu[e]).chunk(2, dim=-1)

@@ -7,17 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import linear
+from kernels.cpu_kernels import linear, rms_norm  # noqa: F401 - rms_norm is part of this module's API
 from kernels.paged_attention import rope_tables
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in fp32 and cast back (as transformers does)."""
-    if x.dtype == torch.float32:  # the CPU default: no casts (each op costs microseconds at decode)
-        return w * (x * torch.rsqrt((x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(eps)))  # sum: mean is slow
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
 
 
 class Rotary:

@@ -21,7 +21,7 @@ from actors.dispatch import Dispatcher
 from actors.experts import LocalExperts
 from actors.kv_cache import KVCache
 from actors.layers import Rotary, rms_norm, swiglu_mlp
-from kernels.cpu_linear import linear
+from kernels.cpu_kernels import linear
 from kernels.gating import topk_softmax_ref
 from router_service.routing.gating import GatingBatch, GatingRouter
 
@@ -151,15 +151,19 @@ class MoEModel:
         if h.shape[0] == 0:  # a rank with no tokens only serves its experts to the others: no other op
             return self._forward_empty(h)
         self._routed = []
+        eps = cfg.rms_norm_eps
+        x = rms_norm(h, w["layers.0.input_norm"], eps)
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
-            h = h + self.attention(l, rms_norm(h, w[p + "input_norm"], cfg.rms_norm_eps), positions_T, cache, meta)
+            # residual add + the next norm in one call (`kernels.cpu_kernels.rms_norm`)
+            h, x = rms_norm(self.attention(l, x, positions_T, cache, meta), w[p + "post_norm"], eps, residual=h)
             if self.on_hidden is not None and cfg.moe_layers[l]:
                 self.on_hidden(l, h)
-            x = rms_norm(h, w[p + "post_norm"], cfg.rms_norm_eps)
-            h = h + (self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"]))
+            y = self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"])
+            nxt = w[f"layers.{l + 1}.input_norm"] if l + 1 < cfg.num_layers else w["norm"]
+            h, x = rms_norm(y, nxt, eps, residual=h)
         self._count_load()
-        return rms_norm(h, w["norm"], cfg.rms_norm_eps)
+        return x
 
     def _forward_empty(self, h_0D: torch.Tensor) -> torch.Tensor:
         """T == 0: join every MoE layer's dispatch (the collectives pair up across ranks) and run the rows other

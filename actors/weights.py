@@ -17,7 +17,7 @@ Internal names (shapes; D = hidden, I = expert intermediate, E_loc = local exper
 Dtypes: everything is cast to the compute dtype, except that with `keep_bf16=True` the matrices that a
 layer multiplies by (every name above but the norms and biases) stay bf16 when the checkpoint stores them
 in bf16. Their values are then exactly the checkpoint's and cost half the bytes of fp32;
-`kernels.cpu_linear.linear` multiplies them by fp32 activations with fp32 accumulation.
+`kernels.cpu_kernels.linear` multiplies them by fp32 activations with fp32 accumulation.
 """
 from __future__ import annotations
 

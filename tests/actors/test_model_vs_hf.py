@@ -115,15 +115,15 @@ def test_tied_embeddings_and_dense_layers(tiny_model_dir):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_dir, arch):
     """A bf16 checkpoint served in fp32: with weight_storage=auto the matrices stay bf16 (exactly the
-    checkpoint's values, `kernels.cpu_linear`), and logits and greedy tokens equal both the all-fp32 engine
+    checkpoint's values, `kernels.cpu_kernels`), and logits and greedy tokens equal both the all-fp32 engine
     and transformers computing in fp32 over the same values."""
-    from kernels.cpu_linear import bf16_linear_available
+    from kernels.cpu_kernels import cpu_kernels_available
 
     path = tiny_model_dir(arch, num_layers=3, save_dtype=torch.bfloat16)
     hf = load_hf(path)
     eng = make_engine(path)
     full = make_engine(path, weight_storage="compute")
-    kept = bf16_linear_available()
+    kept = cpu_kernels_available()
     assert eng.keep_bf16 == kept and not full.keep_bf16
     w = eng.model.w
     assert w["layers.0.qkv_w"].dtype == eng.model.experts[0].w_gate_up.dtype == w["lm_head"].dtype == (

@@ -1,0 +1,133 @@
+"""The compiled CPU kernels (`kernels.cpu_kernels`) against float64 / PyTorch references over the same
+(exactly widened) bf16 weights, on shapes that are not multiples of the kernels' blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_kernels
+from kernels.cpu_kernels import MAX_KERNEL_ROWS, cpu_kernels_available, linear
+
+
+def _ref(x, w, b):
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler or no AVX2/FMA: the fallback path runs")
+@pytest.mark.parametrize("M", [0, 1, 2, 3, 4, 5, 7, 8, 9, MAX_KERNEL_ROWS])
+@pytest.mark.parametrize("N,K", [(1, 1), (3, 7), (5, 8), (9, 15), (4, 16), (6, 17), (513, 256), (31, 255)])
+def test_kernel_matches_float64_reference(M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g)
+    for bias in (None, b):
+        got = linear(x, w, bias)
+        assert got.shape == (M, N) and got.dtype == torch.float32
+        torch.testing.assert_close(got, _ref(x, w, bias), atol=2e-5 * K ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler or no AVX2/FMA: the fallback path runs")
+def test_kernel_reads_row_strided_activations_and_weight_views():
+    """Rows of x that are a column slice of a wider tensor, and a weight that is a row block of a fused
+    matrix (how q/k/v and the per-expert views are stored)."""
+    x = torch.randn(3, 300)[:, 10:266]
+    fused = torch.randn(96, 256).bfloat16()
+    w = fused[32:96]
+    torch.testing.assert_close(linear(x, w), _ref(x, w, None), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear(x[1], w), _ref(x[1:2], w, None)[0], atol=1e-4, rtol=1e-5)  # 1-D x
+
+
+def test_fallback_paths_equal_the_widened_f_linear(monkeypatch):
+    """Large batches (and machines without the kernel) widen the weight and call F.linear; same-dtype weights
+    are plain F.linear."""
+    x = torch.randn(MAX_KERNEL_ROWS + 3, 40)
+    w = torch.randn(12, 40).bfloat16()
+    torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    torch.testing.assert_close(linear(x[:2], w), F.linear(x[:2], w.float()), atol=1e-5, rtol=1e-5)
+    wf = torch.randn(12, 40)
+    assert torch.equal(linear(x, wf), F.linear(x, wf))
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler or no AVX2/FMA: the fallback path runs")
+def test_shape_mismatch_raises():
+    with pytest.raises(RuntimeError, match="do not match"):
+        linear(torch.randn(2, 8), torch.randn(4, 9).bfloat16())
+    with pytest.raises(RuntimeError, match="do not match"):
+        linear(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(5))
+
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels_available(),
+                                   reason="no C compiler or no AVX2/FMA: the PyTorch paths run")
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 256), (5, 13), (3, 4, 24), (0, 8)])
+def test_rms_norm_and_fused_residual_match_float64(shape):
+    from kernels.cpu_kernels import rms_norm
+
+    g = torch.Generator().manual_seed(sum(shape))
+    x, r = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+
+    def ref(v):
+        v = v.double()
+        return (w.double() * v / (v.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).float()
+
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), ref(x), atol=1e-5, rtol=1e-5)
+    h, y = rms_norm(x, w, 1e-6, residual=r)
+    torch.testing.assert_close(h, r + x, atol=0, rtol=0)
+    torch.testing.assert_close(y, ref(r + x), atol=1e-5, rtol=1e-5)
+    wide = torch.randn(shape[0] if len(shape) == 2 else 2, 40, generator=g)[:, 3:3 + shape[-1]]  # strided rows
+    if wide.shape[-1] == shape[-1] and len(shape) == 2:
+        torch.testing.assert_close(rms_norm(wide, w, 1e-6), ref(wide), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 24), (2, 2, 64), (6, 1, 8)])
+def test_decode_attention_matches_reference(H, Hkv, Dh):
+    """Three decode sequences (lengths 1, 7 and 23 over blocks of 5, scattered block tables) among prefill
+    rows: the kernel writes exactly the decode rows, equal to the reference's."""
+    from actors.attention import AttentionMetadata, paged_attention_ref
+    from kernels.cpu_kernels import decode_attention
+
+    g = torch.Generator().manual_seed(H * 100 + Dh)
+    S, NB, T = 5, 12, 6
+    kc, vc = torch.randn(NB, S, Hkv, Dh, generator=g), torch.randn(NB, S, Hkv, Dh, generator=g)
+    q = torch.randn(T, H, Dh, generator=g)
+    tables = torch.tensor([[3, 0, 0, 0, 0], [7, 2, 0, 0, 0], [1, 9, 4, 11, 5]])
+    lens = torch.tensor([1, 7, 23])
+    tokens = torch.tensor([4, 1, 5])
+    meta = AttentionMetadata(slot_mapping=torch.zeros(T, dtype=torch.int64), decode_tokens=tokens,
+                             decode_block_tables=tables, decode_context_lens=lens)
+    ref = paged_attention_ref(q, kc, vc, meta, 0.37)
+    out = torch.full_like(q, float("nan"))
+    assert decode_attention(q, kc, vc, tokens, tables, lens, 0.37, out)
+    torch.testing.assert_close(out[tokens], ref[tokens], atol=2e-5, rtol=1e-5)
+    assert out[[0, 2, 3]].isnan().all()  # other rows untouched
+
+
+@needs_kernels
+def test_expert_ffn_rows_and_combined_token_match_torch():
+    from actors.experts import LocalExperts
+    from kernels.cpu_kernels import expert_ffn
+
+    g = torch.Generator().manual_seed(0)
+    E, I, D = 5, 12, 20  # sizes not multiples of 8 or 16
+    gu = (torch.randn(E, 2 * I, D, generator=g) * 0.3).bfloat16()
+    dn = (torch.randn(E, D, I, generator=g) * 0.3).bfloat16()
+    ref = LocalExperts(gu.float(), dn.float())
+    x = torch.randn(4, D, generator=g)
+    ids = torch.tensor([3, -1, 0, 3])
+    y = expert_ffn(x, gu, dn, ids)
+    torch.testing.assert_close(y[[0, 2, 3]], ref(x[[0, 2, 3]], ids[[0, 2, 3]]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[1], torch.zeros(D))
+    w = torch.tensor([[0.7, 0.2, -0.4]])
+    k_ids = torch.tensor([4, 1, 4])
+    want = w @ ref.run_token(x[:1], k_ids)
+    torch.testing.assert_close(expert_ffn(x[:1], gu, dn, k_ids, w), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(LocalExperts(gu, dn).combine_token(x[:1], k_ids, w), want, atol=1e-5, rtol=1e-5)
+    assert expert_ffn(x, gu.float(), dn.float(), ids) is None  # fp32 weights: the caller's torch path
