@@ -60,6 +60,17 @@ class LocalExperts:
             return self._ffn(x_1D, ids[0])
         return torch.cat([self._ffn(x_1D, e) for e in ids])
 
+    def run_padded(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
+        """Like `__call__`, but rows with id -1 (padding of a fixed-capacity exchange) give zero rows."""
+        fused = expert_ffn(x_RD, self.w_gate_up, self.w_down, local_ids_R)
+        if fused is not None:
+            return fused
+        y = torch.zeros(x_RD.shape, dtype=x_RD.dtype, device=x_RD.device)
+        real = (local_ids_R >= 0).nonzero().squeeze(1)
+        if real.numel():
+            y[real] = self(x_RD[real].contiguous(), local_ids_R[real])
+        return y
+
     def combine_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, weights_1K: torch.Tensor) -> torch.Tensor:
         """One token through K experts, summed with its routing weights: [1, D] = sum_k w_k expert_k(x)."""
         y = expert_ffn(x_1D, self.w_gate_up, self.w_down, local_ids_K, weights_1K)

@@ -23,7 +23,7 @@ follows the data stores in program order, which x86-64 (TSO) keeps visible in th
 therefore only enabled on x86-64.
 
 Waiting. A waiting rank polls with `sched_yield` (the other processes sharing its core run first), and after
-`SPIN_S` it sleeps between polls (50 us growing to 1 ms), so a long wait does not burn a core. While waiting
+`SPIN_S` it sleeps between polls (50 us growing to `MAX_SLEEP_S`), so a long wait does not burn a core. While waiting
 it checks that the peers' processes still exist, so a dead peer surfaces as an error at once (as a closed
 gloo socket does) rather than at the timeout. An idle cluster never waits here: the lockstep loop only enters
 collectives when some rank has work.
@@ -43,7 +43,11 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
-SPIN_S = 0.002  # poll with sched_yield this long, then sleep between polls
+# poll with sched_yield this long, then sleep between polls. Within a decode step a rank waits for its peers'
+# attention and experts (a few ms on CPU); a sleeping rank answers up to one sleep late, and on the 2-core
+# machine 2 ms here with 1 ms sleeps cost ~25% of the 2-rank step, so the spin covers a whole step
+SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.002"))
+MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
 LINE = 64  # bytes per header counter (one cache line each: no false sharing between ranks' counters)
 # bytes per (source, destination) slot: the fixed-capacity decode dispatch sends C x (D + 1) fp32 per peer
 # (C = 256 rows, D = 4096: 4 MB); larger messages go through torch.distributed
@@ -196,7 +200,7 @@ class ShmAllToAll:
         while c[s] < target:
             if sleep:
                 time.sleep(sleep)
-                sleep = min(sleep * 2, 1e-3)
+                sleep = min(sleep * 2, MAX_SLEEP_S)
             else:
                 os.sched_yield()
             polls += 1

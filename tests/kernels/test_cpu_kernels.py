@@ -131,3 +131,21 @@ def test_expert_ffn_rows_and_combined_token_match_torch():
     torch.testing.assert_close(expert_ffn(x[:1], gu, dn, k_ids, w), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(LocalExperts(gu, dn).combine_token(x[:1], k_ids, w), want, atol=1e-5, rtol=1e-5)
     assert expert_ffn(x, gu.float(), dn.float(), ids) is None  # fp32 weights: the caller's torch path
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_local_experts_run_padded_gives_zero_rows_for_padding(bf16):
+    """The fixed-capacity exchange's padding rows (id -1) come back as zeros, on the kernel path (bf16 weights)
+    and on the PyTorch path (fp32 weights), and real rows equal the plain call."""
+    from actors.experts import LocalExperts
+
+    g = torch.Generator().manual_seed(1)
+    gu, dn = torch.randn(3, 8, 16, generator=g), torch.randn(3, 16, 4, generator=g)
+    if bf16:
+        gu, dn = gu.bfloat16(), dn.bfloat16()
+    ex, ref = LocalExperts(gu, dn), LocalExperts(gu.float(), dn.float())
+    x = torch.randn(6, 17, generator=g)[:, :16]  # a strided view, like the received rows
+    ids = torch.tensor([-1, 2, -1, 0, 2, -1])
+    y = ex.run_padded(x, ids)
+    assert torch.equal(y[ids < 0], torch.zeros(3, 16))
+    torch.testing.assert_close(y[ids >= 0], ref(x[ids >= 0].contiguous(), ids[ids >= 0]), atol=1e-5, rtol=1e-5)
