@@ -48,6 +48,7 @@ from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode
 from actors.shm_collective import ShmAllToAll
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
+SHM_MAX_BYTES = 256 << 20  # the shared-memory transport's segment (both banks, all rank pairs) at most
 
 
 class RankWorker:
@@ -116,7 +117,14 @@ class RankWorker:
                                     timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD
             if backend == "gloo" and transport == "auto":
-                self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s)
+                # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
+                # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
+                from actors.config import ModelConfig
+                from actors.dispatch import FIXED_MAX_ROWS
+
+                hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
+                slot = min(FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
+                self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group)
         self.engine.dispatcher.shm = self.shm
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)

@@ -49,9 +49,9 @@ import torch
 SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.002"))
 MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
 LINE = 64  # bytes per header counter (one cache line each: no false sharing between ranks' counters)
-# bytes per (source, destination) slot: the fixed-capacity decode dispatch sends C x (D + 1) fp32 per peer
-# (C = 256 rows, D = 4096: 4 MB); larger messages go through torch.distributed
-DEFAULT_SLOT_BYTES = 4 << 20
+# bytes per (source, destination) slot when the caller does not size them (the rank actor sizes them from the
+# model: the fixed-capacity decode dispatch sends C x (D + 1) fp32 per peer, C <= 256 rows)
+DEFAULT_SLOT_BYTES = 1 << 20
 
 
 def _node_id() -> str:
