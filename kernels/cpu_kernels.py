@@ -311,8 +311,14 @@ def _kernels():
     return _lib if _tried else _load()
 
 
+_F32 = torch.float32
+
+
 def _f32_cpu(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+    for t in ts:  # a loop, not all(genexpr): this runs ~30 times per decode step
+        if t.dtype is not _F32 or t.is_cuda or t.device.type != "cpu":
+            return False
+    return True
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
