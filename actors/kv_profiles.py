@@ -35,16 +35,22 @@ CODE_CHARS = frozenset("{}[]()<>=;_#*/\\|&^%$@`~+\"")
 CODE_CHAR_THRESHOLD = 0.06
 _INDENT = re.compile(r"\n( {2,}|\t+)")
 
+# Key bits per head row of the 2-bit recipe (per-channel key widths, `kernels.kv_quant` module docstring):
+# 152 bits = 19 bytes for D = 64, i.e. 2.375 bits per key element on average, the bytes the old recipe spent
+# on 2-bit codes plus one fp16 outlier channel (18) plus one. Each channel gets 2-8 bits by query-energy-weighted
+# key error; with query energies from calibration (bench/kv_quality.py and `moeray calibrate` collect them).
+K_CHANNEL_BITS_2 = 152
 # The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
 # bench/kv_quality.py reports as `ours<b>`): `kernels.kv_quant.fit_kv_profile` options. Chosen on tiny-moe's
 # held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
 # measurable and cost 0.125 bits/element per channel and head, so there are none; at 2 bits the keys carry
-# most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), one
-# outlier channel per head pays for itself, and a uniform key grid over the min/max range with a k-means
-# value codebook measured best of the codebook / range combinations (24 windows per domain).
+# most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), so keys
+# get per-channel widths (2-8 bits on a uniform grid over each channel's min/max range, allocated by
+# query-energy-weighted error, 152 bits per head row) instead of one fp16 outlier channel, and values a
+# k-means codebook (measured best of the codebook / range combinations, 24 windows per domain).
 RECOMMENDED_FIT_OPTIONS = {
-    2: dict(n_outlier=1, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
-            k_range="minmax"),
+    2: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
+            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_2),
     3: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
     4: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
 }
@@ -61,7 +67,8 @@ class ModelKVProfile:
     Fields:
         name: profile name (the calibration domain, e.g. "prose" or "code").
         bits: code width, 2, 3 or 4 bits per element (same for every layer).
-        layers: one KVQuantProfile per layer, all with the same H, D, bits and outlier counts.
+        layers: one KVQuantProfile per layer, all with the same H, D, bits, outlier counts and key row bytes
+            (per-channel key widths `k_bits` may differ between layers and heads, their row sums may not).
         meta: JSON-serialisable metadata (calibration files, tokens, options).
     Raises (in __post_init__):
         ValueError: no layers, or layers disagreeing on bits / shapes / outlier counts.
@@ -79,10 +86,11 @@ class ModelKVProfile:
         for l, p in enumerate(self.layers):
             if p.bits != self.bits:
                 raise ValueError(f"profile {self.name!r} layer {l}: bits={p.bits} != profile bits={self.bits}")
-            if (p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v) != \
-                    (p0.num_kv_heads, p0.head_dim, p0.n_outlier_k, p0.n_outlier_v):
-                raise ValueError(f"profile {self.name!r} layer {l}: (H, D, Ok, Ov)="
-                                 f"{(p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v)} differs from layer 0")
+            if (p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes) != \
+                    (p0.num_kv_heads, p0.head_dim, p0.n_outlier_k, p0.n_outlier_v, p0.k_packed_bytes):
+                raise ValueError(f"profile {self.name!r} layer {l}: (H, D, Ok, Ov, Pk)="
+                                 f"{(p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes)}"
+                                 " differs from layer 0")
 
     @property
     def num_layers(self) -> int:
@@ -237,8 +245,8 @@ def choose_profile(requested: str | None, available: list[str], default: str, te
 # --- calibration ----------------------------------------------------------------------------------------
 
 
-def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, progress=None
-                           ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, progress=None,
+                           with_query_energy: bool = False):
     """Run the model on `token_ids` in non-overlapping windows and collect every layer's pre-RoPE K and V.
 
     Args:
@@ -247,8 +255,13 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
         token_ids: the calibration text, tokenized.
         window: tokens per forward (<= the engine's max_model_len).
         progress: optional callable `(tokens_done)` called after each window (e.g. a tqdm update).
+        with_query_energy: also return, per layer, the query energy of each key channel ([H, D] fp32):
+            the mean over tokens of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's query heads,
+            from the post-RoPE queries (the pair sum is rotation-invariant). It weights key errors in
+            `kernels.kv_quant.fit_kv_profile(query_energy=...)`.
     Returns:
-        (k, v): per layer, [N, H, D] fp32 tensors on CPU, N = len(token_ids).
+        (k, v) or, with_query_energy, (k, v, q_energy): per layer, k / v [N, H, D] fp32 tensors on CPU,
+        N = len(token_ids); q_energy [H, D] fp32.
     Raises:
         ValueError: empty token_ids or window < 1.
     """
@@ -257,12 +270,19 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
     num_layers = engine.model_cfg.num_layers
     ks: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
     vs: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+    qe: list[torch.Tensor | None] = [None] * num_layers
     cache = engine.cache
     orig_attend = cache.attend
 
     def recording_attend(layer, q, k, v, positions, meta, rotary, scale):
         ks[layer].append(k.detach().float().cpu())
         vs[layer].append(v.detach().float().cpu())
+        if with_query_energy:
+            h, d = k.shape[1], k.shape[2]
+            e = q.detach().float().cpu().reshape(q.shape[0], h, -1, d).pow(2).sum(dim=(0, 2))  # [H, D]
+            pair = (e[:, : d // 2] + e[:, d // 2:]) * 0.5
+            e = torch.cat([pair, pair], dim=1)
+            qe[layer] = e if qe[layer] is None else qe[layer] + e
         return orig_attend(layer, q, k, v, positions, meta, rotary, scale)
 
     cache.attend = recording_attend  # instance attribute shadows the method only during calibration
@@ -274,23 +294,35 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
                 progress(len(chunk))
     finally:
         del cache.attend
-    return [torch.cat(x) for x in ks], [torch.cat(x) for x in vs]
+    k_out, v_out = [torch.cat(x) for x in ks], [torch.cat(x) for x in vs]
+    if with_query_energy:
+        return k_out, v_out, [e / len(token_ids) for e in qe]
+    return k_out, v_out
 
 
 def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], *, name: str, bits: int,
-                      meta: dict | None = None, **fit_kw) -> ModelKVProfile:
+                      meta: dict | None = None, query_energy: list[torch.Tensor] | None = None,
+                      **fit_kw) -> ModelKVProfile:
     """Fit one KVQuantProfile per layer (`kernels.kv_quant.fit_kv_profile`, keyword options in `fit_kw`).
 
     Args:
         k_layers, v_layers: per layer [N, H, D] pre-RoPE keys and values (from collect_calibration_kv).
         name: profile name (domain). bits: 2, 3 or 4. meta: extra JSON metadata.
+        query_energy: optional per-layer [H, D] key-channel weights (collect_calibration_kv with
+            with_query_energy=True), used by per-channel key widths (`k_channel_bits`).
     Raises:
-        ValueError: from fit_kv_profile (shapes, bits, option ranges).
+        ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy of the wrong length.
     """
     from kernels.kv_quant import fit_kv_profile
 
-    layers = [fit_kv_profile(k, v, bits=bits, **fit_kw) for k, v in zip(k_layers, v_layers)]
-    return ModelKVProfile(name=name, bits=bits, layers=layers, meta={**(meta or {}), "fit_options": dict(fit_kw)})
+    if query_energy is not None and len(query_energy) != len(k_layers):
+        raise ValueError(f"query_energy has {len(query_energy)} layers; k_layers has {len(k_layers)}")
+    qe = query_energy if query_energy is not None else [None] * len(k_layers)
+    layers = [fit_kv_profile(k, v, bits=bits, query_energy=e, **fit_kw) for k, v, e in zip(k_layers, v_layers, qe)]
+    opts = dict(fit_kw)
+    if fit_kw.get("k_channel_bits") is not None:
+        opts["query_energy"] = query_energy is not None
+    return ModelKVProfile(name=name, bits=bits, layers=layers, meta={**(meta or {}), "fit_options": opts})
 
 
 def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size: int = 16,

@@ -6,7 +6,8 @@ quantized token count):
     precision, in the sequence's staging slot, rows [0, Ns);
   * quantized token t = p - Ns < q lives in the shared page pool (below) at page `page_table[t // T]`, slot
     t % T, where T = tokens per page of the sequence's width (packed codes + per-token V scale + dense
-    outlier channels; keys stored pre-RoPE, per channel);
+    outlier channels; keys stored pre-RoPE, per channel, with one width or per-channel widths, whose key
+    row of Pk bytes differs from the value row: the page layout is keyed by (bits, Ok, Ov, Pk));
   * tokens t >= q (the unsealed tail, all in the logical block being filled) stay full precision in the
     staging slot, row Ns + t % S. When a token completes its logical block (t % S == S - 1) the tail is
     sealed: quantized in one pass with the sequence's profile and appended to its pages.
@@ -113,15 +114,16 @@ class _SeqState:
     nblocks: int = 0  # logical blocks known to belong to the sequence (for the pool budget)
 
 
-def layout_key(profile: ModelKVProfile) -> tuple[int, int, int]:
-    """(bits, Ok, Ov): profiles with equal keys share one page layout (H and D are fixed per cache)."""
+def layout_key(profile: ModelKVProfile) -> tuple[int, int, int, int]:
+    """(bits, Ok, Ov, Pk): profiles with equal keys share one page layout (H and D are fixed per cache).
+    Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`)."""
     bits, _, _, ok, ov = profile.layout()
-    return bits, ok, ov
+    return bits, ok, ov, profile.layers[0].k_packed_bytes
 
 
-def _arena_views(arena: torch.Tensor, key: tuple[int, int, int], tokens: int, h: int, d: int) -> KVPages:
+def _arena_views(arena: torch.Tensor, key: tuple[int, int, int, int], tokens: int, h: int, d: int) -> KVPages:
     """`KVPages` of one width over arena [NP, page bytes] uint8: strided views, no copy (layout in module doc)."""
-    bits, ok, ov = key
+    bits, ok, ov, pk = key
     npg, pb = arena.shape
     p = packed_bytes(d, bits)
     f16 = arena.view(torch.float16)  # [NP, pb / 2]
@@ -132,9 +134,9 @@ def _arena_views(arena: torch.Tensor, key: tuple[int, int, int], tokens: int, h:
         fields[name] = f16[:, o:o + n].view(npg, *shape)
         o += n
     o *= 2
-    for name in ("k_codes", "v_codes"):
-        n = h * tokens * p
-        fields[name] = arena[:, o:o + n].view(npg, h, tokens, p)
+    for name, row in (("k_codes", pk), ("v_codes", p)):
+        n = h * tokens * row
+        fields[name] = arena[:, o:o + n].view(npg, h, tokens, row)
         o += n
     assert o <= pb, (o, pb)  # tokens_per_page guarantees it
     return KVPages(**fields)

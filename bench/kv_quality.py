@@ -17,18 +17,23 @@ Rows:
                  through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"),
                  pre-RoPE per-channel keys with calibrated ranges, per-token values with an fp16 scale and a
                  per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block
-                 in full precision. 2 bits: uniform key grid over min/max ranges, k-means value codebook, 1
-                 outlier channel per head; 3/4 bits: k-means codebooks, MSE-clipped key ranges, no outliers
+                 in full precision. 2 bits: per-channel key widths (2-8 bits, 152 bits per head row, on a
+                 uniform grid over each channel's min/max range, allocated by query-energy-weighted key error;
+                 no outlier channels), k-means value codebook; 3/4 bits: k-means codebooks, MSE-clipped key
+                 ranges, no outliers
   ours<b> cross  domain-mismatched: each domain's windows through the OTHER domain's profile (KVQuant reports
                  cross-domain calibration gives similar results; this row measures it here)
   ours<b>X       one change to the recipe: `-mse` / `+mse` min/max / MSE-clipped key ranges; `-kmeans` uniform
                  grids for K and V; `+kmeansK` k-means codebooks for K and V; `-vzero` no value mean; `+sink`
-                 1 fp16 sink token; `outN` N fp16 key outlier channels per head
+                 1 fp16 sink token; `outN` N fp16 key outlier channels per head. At 2 bits (per-channel key
+                 widths, where key codebook/range options do not apply): `k2out1` the previous recipe (one
+                 2-bit uniform key grid + 1 fp16 outlier channel per head), `-qweight` widths allocated with
+                 equal channel weights, `kbits144` 144 key bits per head row (the previous recipe's bytes)
   ... (sim)      storage formats the cache cannot hold yet, simulated with the same quantize-dequantize and
                  visibility rule (numbers are what the format would give; not servable):
                  `int8out2` 2 key outlier channels per head stored int8 with a calibrated per-channel
-                 scale/zero; `vs8` the per-token V scale as an 8-bit log2 code (1/16 octave, rounded up);
-                 `k3v2` 3-bit keys with 2-bit values (outlier channels as the 2-bit recipe)
+                 scale/zero (not at 2 bits, where a large channel gets up to 8 bits anyway); `vs8` the
+                 per-token V scale as an 8-bit log2 code (1/16 octave, rounded up)
 Effective bits count everything stored for one 1024-token window at the end of the window (1024 is a multiple
 of the 16-token block, so without a sink nothing is left unsealed; with one, 15 tail tokens are): codes, fp16
 scales, outlier values, full-precision sink/tail tokens at 16 bits, and the profile tensors amortised over
@@ -82,6 +87,15 @@ ABLATIONS = [
     ("out1", {"n_outlier": 1}, None),
     ("out2", {"n_outlier": 2}, None),
 ]
+# Rows of a per-channel-key recipe (suffix, changes, query-energy weights): the old 2-bit recipe (one 2-bit
+# uniform key grid + 1 fp16 outlier channel per head), equal channel weights, and the old recipe's bytes.
+PER_CHANNEL_ROWS = [
+    (" k2out1 (2-bit K grid, 1 fp16 outlier/head)", {"k_channel_bits": None, "n_outlier": 1}, True),
+    (" -qweight (equal channel weights)", {}, False),
+    (" kbits144 (144 K bits/head)", {"k_channel_bits": 144}, True),
+]
+# fit options that only shape the shared key codebook / range, unused with per-channel key widths
+K_GRID_OPTIONS = ("codebook", "k_range")
 QUICK_ABLATION_BITS = (2,)
 # KIVI at matched bits: key groups of 128 tokens, value groups of 64 channels -> bits + 0.375
 KIVI_MATCHED = (128, 64)
@@ -178,13 +192,6 @@ def _vscale8_qdq(prof: ModelKVProfile):
     return qdq
 
 
-def _k3v2_qdq(prof_k: ModelKVProfile, prof_v: ModelKVProfile):
-    def qdq(layer, k, v):
-        pk, pv = prof_k.layers[layer], prof_v.layers[layer]
-        return dequantize_kv(quantize_kv(k, v, pk), pk)[0], dequantize_kv(quantize_kv(k, v, pv), pv)[1]
-    return qdq
-
-
 def window_nll(engine: RankEngine, cache, ids: list[int]) -> tuple[float, int]:
     """Summed next-token NLL (nats) and token count of one window through `cache`."""
     bs = cache.block_size
@@ -244,8 +251,8 @@ def main(argv=None) -> int:
         windows = [rest[i:i + WINDOW] for i in range(0, len(rest) - WINDOW + 1, WINDOW)][:n_win]
         if not windows:
             raise SystemExit(f"{dom}: {len(ids)} held-out tokens leave no {WINDOW}-token window after calibration")
-        k, v = collect_calibration_kv(eng, calib, window=WINDOW)
-        data[dom] = (windows, k, v)
+        k, v, qe = collect_calibration_kv(eng, calib, window=WINDOW, with_query_energy=True)
+        data[dom] = (windows, k, v, qe)
     rows: list[tuple[str, int, float, dict]] = []  # (name, bits, effective bits, {domain: ppl})
 
     def add_row(name, bits, make_cache, bits_of):
@@ -269,11 +276,13 @@ def main(argv=None) -> int:
 
     profiles: dict = {}
 
-    def profile(dom, bits, **change):
-        key = (dom, bits, tuple(sorted(change.items())))
+    def profile(dom, bits, qweight=True, **change):
+        key = (dom, bits, qweight, tuple(sorted(change.items())))
         if key not in profiles:
-            _, k, v = data[dom]
-            profiles[key] = fit_model_profile(k, v, name=dom, bits=bits, **{**RECOMMENDED_FIT_OPTIONS[bits], **change})
+            _, k, v, qe = data[dom]
+            opts = {**RECOMMENDED_FIT_OPTIONS[bits], **change}
+            qe = qe if qweight and opts.get("k_channel_bits") is not None else None
+            profiles[key] = fit_model_profile(k, v, name=dom, bits=bits, query_energy=qe, **opts)
         return profiles[key]
 
     def ours(dom, prof, sink):
@@ -295,27 +304,32 @@ def main(argv=None) -> int:
                     lambda dom, c, b=bits: model_effective_bits(profile(other[dom], b), WINDOW, sink_tokens=ns0))
         if bits not in abl_bits:
             continue
+        per_channel = RECOMMENDED_FIT_OPTIONS[bits].get("k_channel_bits") is not None
         for suffix, change, sink in ABLATIONS:
             ns = ns0 if sink is None else sink
+            if per_channel:  # key codebook and range options do not apply to per-channel key widths
+                change = {k: x for k, x in change.items() if k not in K_GRID_OPTIONS}
             if ns == ns0 and all(RECOMMENDED_FIT_OPTIONS[bits].get(k) == x for k, x in change.items()):
                 continue  # the recipe itself
             add_row(f"ours{bits}{suffix}", bits, lambda dom, b=bits, c=change, n=ns: ours(dom, profile(dom, b, **c), n),
                     lambda dom, _, b=bits, c=change, n=ns: model_effective_bits(profile(dom, b, **c), WINDOW,
                                                                              sink_tokens=n))
+        if per_channel:  # the per-channel key recipe against its parts
+            for suffix, change, qw in PER_CHANNEL_ROWS:
+                add_row(f"ours{bits}{suffix}", bits,
+                        lambda dom, b=bits, c=change, q=qw: ours(dom, profile(dom, b, q, **c), ns0),
+                        lambda dom, _, b=bits, c=change, q=qw: model_effective_bits(profile(dom, b, q, **c), WINDOW,
+                                                                                 sink_tokens=ns0))
         # simulated formats; bits = the servable profile's bits minus what the cheaper field saves per element
         # (one int8 instead of fp16 outlier: 8 bits per token and head over 2 * D elements; likewise the V scale)
         save = 8.0 / (2 * mc.head_dim)
-        add_row(f"ours{bits} int8out2 (sim)", bits,
-                sim(lambda dom, b=bits: _int8_outlier_qdq(profile(dom, b, n_outlier=2), data[dom][1])),
-                lambda dom, _, b=bits: model_effective_bits(profile(dom, b, n_outlier=2), WINDOW, sink_tokens=0)
-                - 2 * save)
+        if not per_channel:  # per-channel key widths already give a large channel up to 8 bits
+            add_row(f"ours{bits} int8out2 (sim)", bits,
+                    sim(lambda dom, b=bits: _int8_outlier_qdq(profile(dom, b, n_outlier=2), data[dom][1])),
+                    lambda dom, _, b=bits: model_effective_bits(profile(dom, b, n_outlier=2), WINDOW, sink_tokens=0)
+                    - 2 * save)
         add_row(f"ours{bits} vs8 (sim)", bits, sim(lambda dom, b=bits: _vscale8_qdq(profile(dom, b))),
                 lambda dom, _, b=bits: model_effective_bits(profile(dom, b), WINDOW, sink_tokens=0) - save)
-        if bits == 2:
-            # K and V profiles share the outlier count, so the per-element bits are the mean of the two
-            add_row("ours k3v2 (sim)", 2, sim(lambda dom: _k3v2_qdq(profile(dom, 3, n_outlier=1), profile(dom, 2))),
-                    lambda dom, _: (model_effective_bits(profile(dom, 3, n_outlier=1), WINDOW, sink_tokens=0)
-                                    + model_effective_bits(profile(dom, 2), WINDOW, sink_tokens=0)) / 2)
 
     def dppl(r, dom):
         return 100.0 * (r[3][dom] / base[dom] - 1.0)

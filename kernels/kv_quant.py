@@ -18,6 +18,17 @@ What is quantized, and how (one layer):
     stored (and ignored), which costs `n_outlier * bits` bits per token and head but keeps the bit offset
     of channel d equal to `d * bits`.
 
+Per-channel key widths (`k_bits`, optional): instead of one `bits`-bit codebook for every key channel, each
+channel d of head h gets its own width b[h, d] in [1, 8] on a uniform grid over its calibrated range:
+`k = k_zero + k_scale * (2 * code / (2**b - 1) - 1)` (the `uniform` codebook, per channel). `fit_kv_profile`
+(`k_channel_bits=B`) allocates B bits per head row by greedy reverse water-filling on the calibration keys'
+squared error weighted by the query energy of the channel's RoPE pair (the expected squared attention-logit
+error, see `allocate_channel_bits`): classic transform-coding bit allocation (Gersho & Gray, ch. 8) applied
+to keys, in the spirit of KVQuant's sensitivity-weighted quantization (section 3.3, Fisher-weighted
+k-means). It replaces the fp16 outlier side array: a large channel simply gets more bits. Every head's
+widths sum to the same B, so the key row is P_k = ceil(B / 8) bytes (the value row stays P); the codes
+of a row are one bitstream, channel d at bit offset sum(b[h, :d]) (`pack_codes_var`).
+
 The uniform baseline `kivi_quantize` / `kivi_dequantize` (KIVI, arXiv 2402.02750: per-channel keys and
 per-token values in groups, each group with an fp16 scale and zero) is here for benchmark comparison.
 
@@ -31,23 +42,24 @@ Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {2, 3, 4}:
   Requires D * b % 8 == 0 (D % 8 == 0 for 3 bits).
 
 Paged storage (`KVPages`, kernel side of the paged cache, one layer; block = `block_size` tokens):
-  k_codes     [NB, H, S, P] uint8   packed key codes, P = D * bits / 8 bytes per token and head
-  v_codes     [NB, H, S, P] uint8   packed value codes
+  k_codes     [NB, H, S, Pk] uint8  packed key codes, Pk = P, or ceil(sum(k_bits[h]) / 8) with k_bits
+  v_codes     [NB, H, S, P] uint8   packed value codes, P = D * bits / 8 bytes per token and head
   v_scale     [NB, S, H]    fp16    per-token value scale
   k_outliers  [NB, S, H, Ok] fp16   dense key outlier channels, order of `profile.k_outlier_idx[h]`
   v_outliers  [NB, S, H, Ov] fp16   dense value outlier channels (Ov may be 0)
   Per layer (in `KVQuantProfile`): k_scale/k_zero/v_zero [H, D] fp32, k_codebook/v_codebook [L] fp32,
-  k_outlier_idx [H, Ok] int32, v_outlier_idx [H, Ov] int32.
-  Bytes per token and layer: H * (2 * P + 2 + 2 * Ok + 2 * Ov).
+  k_outlier_idx [H, Ok] int32, v_outlier_idx [H, Ov] int32, k_bits [H, D] uint8 or [0] (none).
+  Bytes per token and layer: H * (Pk + P + 2 + 2 * Ok + 2 * Ov).
 
 Shape legend: N = tokens, H = KV heads, D = head_dim, L = 2**bits codebook levels, P = packed bytes per
-token and head (D * bits / 8), NB = blocks, S = block_size, Ok / Ov = outlier channels per head (K / V),
+token and head (D * bits / 8), Pk = packed key bytes, NB = blocks, S = block_size,
+Ok / Ov = outlier channels per head (K / V),
 G = group size (KIVI).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -123,6 +135,121 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
     return (stream << shifts).sum(-1).to(torch.int64)
 
 
+MAX_CHANNEL_BITS = 8
+
+
+def _check_widths(widths_HD: torch.Tensor) -> tuple[int, int]:
+    """(bits per head row, packed bytes Pk) of per-channel widths [H, D]; ValueError naming the limit."""
+    if widths_HD.dim() != 2:
+        raise ValueError(f"k_bits.shape={tuple(widths_HD.shape)} must be [H, D]")
+    w = widths_HD.to(torch.int64)
+    if w.numel() == 0 or int(w.min()) < 1 or int(w.max()) > MAX_CHANNEL_BITS:
+        raise ValueError(f"k_bits values must lie in [1, {MAX_CHANNEL_BITS}]")
+    sums = w.sum(dim=1)
+    if bool((sums != sums[0]).any()):
+        raise ValueError(f"k_bits rows must sum to the same bits per head; got {sums.tolist()}")
+    total = int(sums[0])
+    return total, -(-total // 8)
+
+
+def _bit_mask(widths_HD: torch.Tensor) -> torch.Tensor:
+    """[H, D, 8] bool: bit j of channel d's code is stored (j < width)."""
+    j = torch.arange(MAX_CHANNEL_BITS, device=widths_HD.device)
+    return j[None, None, :] < widths_HD.to(torch.int64)[..., None]
+
+
+def pack_codes_var(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Pack codes of per-channel widths: each (token, head) row is one little-endian bitstream, channel d at bit
+    offset sum(widths[h, :d]), LSB first, zero-padded to whole bytes (same stream rule as `pack_codes`).
+
+    Args:
+        codes: [N, H, D] integer codes, 0 <= codes[..., h, d] < 2**widths[h, d].
+        widths: [H, D] integer widths in [1, 8], every row with the same sum B.
+    Returns:
+        [N, H, ceil(B / 8)] uint8.
+    Raises:
+        ValueError: widths out of range or rows with different sums, or codes not [N, H, D].
+    """
+    total, pk = _check_widths(widths)
+    n, h, d = codes.shape
+    if widths.shape != (h, d):
+        raise ValueError(f"codes.shape={tuple(codes.shape)} does not match widths.shape={tuple(widths.shape)}")
+    shifts = torch.arange(MAX_CHANNEL_BITS, device=codes.device, dtype=torch.int32)
+    bits = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [N, H, D, 8]
+    stream = bits[:, _bit_mask(widths)].reshape(n, h, total)
+    stream = torch.nn.functional.pad(stream, (0, pk * 8 - total)).reshape(n, h, pk, 8)
+    return (stream << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes_var(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_codes_var`: [N, H, Pk] uint8 -> [N, H, D] int64 codes.
+
+    Raises: ValueError for bad widths or packed.shape[-1] != ceil(B / 8).
+    """
+    total, pk = _check_widths(widths)
+    n, h = packed.shape[:2]
+    if packed.dim() != 3 or packed.shape[2] != pk or widths.shape[0] != h:
+        raise ValueError(f"packed.shape={tuple(packed.shape)} must be [N, H={widths.shape[0]}, Pk={pk}]")
+    shifts = torch.arange(MAX_CHANNEL_BITS, device=packed.device, dtype=torch.int32)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(n, h, pk * 8)[..., :total]
+    mask = _bit_mask(widths)
+    bits = torch.zeros(n, *mask.shape, dtype=torch.int32, device=packed.device)
+    bits[:, mask] = stream.reshape(n, -1)
+    return (bits << shifts).sum(-1).to(torch.int64)
+
+
+def channel_bit_offsets(widths: torch.Tensor) -> torch.Tensor:
+    """[H, D] int32 bit offset of each channel's code within its head row (exclusive prefix sum of widths)."""
+    w = widths.to(torch.int32)
+    return (torch.cumsum(w, dim=1) - w).to(torch.int32)
+
+
+def allocate_channel_bits(err_BHD: torch.Tensor, weight_HD: torch.Tensor, budget: int, *, min_bits: int = 2
+                          ) -> torch.Tensor:
+    """Per-channel widths minimising sum_d weight[h, d] * err[b[h, d], h, d] with sum_d b[h, d] = budget.
+
+    Greedy reverse water-filling: start every channel at `min_bits`, then hand out one bit at a time to the
+    channel whose weighted error drops most (optimal for convex error curves; err is made non-increasing).
+
+    Args:
+        err_BHD: [B + 1, H, D] float, err[b] = mean squared error of the channel at width b (index 0 unused).
+        weight_HD: [H, D] float >= 0, importance of the channel's squared error.
+        budget: bits per head row, min_bits * D <= budget <= (B) * D.
+        min_bits: smallest width, >= 1.
+    Returns:
+        [H, D] uint8 widths.
+    Raises:
+        ValueError: budget or min_bits out of range.
+    """
+    bmax = err_BHD.shape[0] - 1
+    _, h, d = err_BHD.shape
+    if not 1 <= min_bits <= bmax or not min_bits * d <= budget <= bmax * d:
+        raise ValueError(f"k_channel_bits={budget} must be in [{min_bits} * D, {bmax} * D] with D={d}, "
+                         f"min_bits={min_bits} in [1, {bmax}]")
+    err = torch.cummin(err_BHD.float(), dim=0).values
+    bits = torch.full((h, d), min_bits, dtype=torch.int64, device=err.device)
+    ar = torch.arange(d, device=err.device)
+    for hh in range(h):
+        for _ in range(budget - min_bits * d):
+            b = bits[hh]
+            nxt = (b + 1).clamp(max=bmax)
+            gain = weight_HD[hh].float() * (err[b, hh, ar] - err[nxt, hh, ar])
+            gain = torch.where(b < bmax, gain, torch.full_like(gain, -float("inf")))
+            bits[hh, int(gain.argmax())] += 1
+    return bits.to(torch.uint8)
+
+
+def _uniform_channel_codes(x_norm: torch.Tensor, widths_HD: torch.Tensor) -> torch.Tensor:
+    """Nearest level of the per-channel uniform grid -1 + 2 c / (2**b - 1), c in [0, 2**b)."""
+    top = ((1 << widths_HD.to(torch.int64)) - 1).to(x_norm.dtype)
+    return torch.minimum(((x_norm.clamp(-1.0, 1.0) + 1.0) * 0.5 * top).round(), top).to(torch.int64)
+
+
+def _uniform_channel_levels(codes: torch.Tensor, widths_HD: torch.Tensor) -> torch.Tensor:
+    top = ((1 << widths_HD.to(torch.int64)) - 1).float()
+    return codes.float() * (2.0 / top) - 1.0
+
+
 def nearest_level(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Index of the nearest codebook level for every element.
 
@@ -185,6 +312,9 @@ class KVQuantProfile:
         k_codebook, v_codebook: [L] fp32, strictly ascending levels in normalised units.
         k_outlier_idx: [H, Ok] int32, key channels kept dense in fp16; unique per head, 0 <= Ok <= D.
         v_outlier_idx: [H, Ov] int32, value channels kept dense in fp16; 0 <= Ov <= D.
+        k_bits: [H, D] uint8 per-channel key widths in [1, 8] with equal row sums (keys then use the
+            per-channel uniform grid and k_codebook is unused), or an empty tensor (default): every key
+            channel uses `bits` and k_codebook.
     Raises (in __post_init__):
         ValueError naming the field, the value and the limit.
     """
@@ -197,6 +327,7 @@ class KVQuantProfile:
     v_codebook: torch.Tensor
     k_outlier_idx: torch.Tensor
     v_outlier_idx: torch.Tensor
+    k_bits: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
 
     def __post_init__(self) -> None:
         _check_bits(int(self.bits))
@@ -227,6 +358,13 @@ class KVQuantProfile:
                 raise ValueError(f"{name} values must lie in [0, {d})")
             if idx.shape[1] and bool((idx.sort(dim=1).values.diff(dim=1) == 0).any()):
                 raise ValueError(f"{name} has a repeated channel within a head")
+        if self.k_bits.numel():
+            if self.k_bits.shape != (h, d):
+                raise ValueError(f"k_bits.shape={tuple(self.k_bits.shape)} must be [H={h}, D={d}] or empty")
+            _check_widths(self.k_bits)
+            self.k_bits = self.k_bits.to(torch.uint8).contiguous()
+        else:
+            self.k_bits = self.k_bits.reshape(0).to(torch.uint8)
         self.k_scale = self.k_scale.float().contiguous()
         self.k_zero = self.k_zero.float().contiguous()
         self.v_zero = self.v_zero.float().contiguous()
@@ -251,12 +389,23 @@ class KVQuantProfile:
 
     @property
     def packed_bytes(self) -> int:
-        """P: bytes of packed codes per token and head, for K or V each."""
+        """P: bytes of packed value codes per token and head (also the key row without `k_bits`)."""
         return packed_bytes(self.head_dim, self.bits)
 
+    @property
+    def per_channel_keys(self) -> bool:
+        """True when keys use per-channel widths `k_bits` (uniform grid per channel)."""
+        return self.k_bits.numel() > 0
+
+    @property
+    def k_packed_bytes(self) -> int:
+        """Pk: bytes of packed key codes per token and head."""
+        return _check_widths(self.k_bits)[1] if self.per_channel_keys else self.packed_bytes
+
     def bytes_per_token(self) -> int:
-        """Bytes one quantized token costs in one layer: codes, V scale, K and V outlier values."""
-        return self.num_kv_heads * (2 * self.packed_bytes + 2 + 2 * self.n_outlier_k + 2 * self.n_outlier_v)
+        """Bytes one quantized token costs in one layer: K and V codes, V scale, K and V outlier values."""
+        return self.num_kv_heads * (self.k_packed_bytes + self.packed_bytes + 2 + 2 * self.n_outlier_k
+                                    + 2 * self.n_outlier_v)
 
     def outlier_slots(self, which: str) -> torch.Tensor:
         """[H, D] int32: position of channel d in the outlier side array of head h, or -1 if an inlier.
@@ -278,19 +427,23 @@ class KVQuantProfile:
                                  for f in fields(self)})
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
-        """Flat dict of contiguous tensors for safetensors (`bits` as an int32 scalar tensor)."""
-        out = {f.name: getattr(self, f.name).contiguous() for f in fields(self) if f.name != "bits"}
+        """Flat dict of contiguous tensors for safetensors (`bits` as an int32 scalar tensor; `k_bits` only
+        when per-channel, so uniform-width profiles keep their old file contents)."""
+        out = {f.name: getattr(self, f.name).contiguous() for f in fields(self)
+               if f.name != "bits" and (f.name != "k_bits" or self.per_channel_keys)}
         out["bits"] = torch.tensor(self.bits, dtype=torch.int32)
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "KVQuantProfile":
-        """Inverse of `to_tensors`. Raises ValueError naming a missing key."""
-        names = [f.name for f in fields(cls)]
+        """Inverse of `to_tensors` (`k_bits` optional). Raises ValueError naming a missing key."""
+        names = [f.name for f in fields(cls) if f.name != "k_bits"]
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"tensors is missing keys {missing}")
         kw = {n: tensors[n] for n in names}
+        if "k_bits" in tensors:
+            kw["k_bits"] = tensors["k_bits"]
         kw["bits"] = int(tensors["bits"])
         return cls(**kw)
 
@@ -323,6 +476,9 @@ def fit_kv_profile(
     iters: int = 30,
     k_range: str = "mse",
     codebook_v: str | None = None,
+    k_channel_bits: int | None = None,
+    query_energy: torch.Tensor | None = None,
+    k_min_bits: int = 2,
 ) -> KVQuantProfile:
     """Calibrate one layer's `KVQuantProfile` offline (KVQuant, arXiv 2401.18079, sections 3.1-3.4).
 
@@ -350,11 +506,25 @@ def fit_kv_profile(
             quantizers, e.g. AWQ's clip search, arXiv 2306.00978, applied per key channel). Calibration-only:
             the stored format is unchanged. On tiny-moe at 2 bits it lowers the held-out perplexity increase
             by ~0.4-1 points (bench/kv_quality.py, row `-mse`).
+        k_channel_bits: None (one width `bits` for every key channel), or B bits per head row for per-channel
+            key widths (`k_bits`, module docstring): each inlier channel's width in [k_min_bits, 8] on a
+            uniform grid over its calibrated range (after `percentile`; k_range and codebook then do not
+            apply to keys), allocated by `allocate_channel_bits` on the calibration keys' squared error
+            weighted by `query_energy`. Outlier channels get k_min_bits (their slots are ignored) and should
+            normally be 0: a large channel gets more bits instead. B in [k_min_bits * D, 8 * D]; the key
+            row costs ceil(B / 8) bytes per token and head.
+        query_energy: [H, D] float >= 0, the weight of channel d's squared key error: for RoPE'd attention,
+            the mean over calibration queries of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's
+            query heads (`actors.kv_profiles.collect_calibration_kv(..., with_query_energy=True)`). A
+            pre-RoPE key error e_d moves the logit by q_rot . R e, whose mean square over the pair's
+            rotation angle is that pair energy times e_d**2 / 2 (rotation-invariant, so post-RoPE queries
+            give it). None = equal weights.
+        k_min_bits: smallest per-channel key width, in [1, 8].
     Returns:
         KVQuantProfile on the device of k_calib.
     Raises:
-        ValueError: mismatched shapes, N == 0, out-of-range bits / n_outlier / n_outlier_v / percentile,
-            unknown k_range.
+        ValueError: mismatched shapes, N == 0, out-of-range bits / n_outlier / n_outlier_v / percentile /
+            k_channel_bits / k_min_bits, query_energy not [H, D], unknown k_range.
     """
     codebook_v = codebook if codebook_v is None else codebook_v
     if codebook_v not in CODEBOOK_METHODS:
@@ -399,8 +569,27 @@ def fit_kv_profile(
     scale_HD = torch.where(k_in_HD, scale_HD.clamp_min(1e-8), torch.ones_like(scale_HD))
     zero_HD = torch.where(k_in_HD, zero_HD, torch.zeros_like(zero_HD))
 
-    k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]  # [N, inliers]
-    k_codebook = fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device)
+    k_bits_HD = torch.zeros(0, dtype=torch.uint8)
+    if k_channel_bits is not None:
+        if query_energy is not None and tuple(query_energy.shape) != (h, d):
+            raise ValueError(f"query_energy.shape={tuple(query_energy.shape)} must be [H={h}, D={d}]")
+        w_HD = torch.ones(h, d) if query_energy is None else query_energy.detach().float().cpu().clamp_min(0)
+        k_norm_all = (k - zero_HD) / scale_HD
+        errs = [torch.zeros(h, d, device=k.device)]
+        for b in range(1, MAX_CHANNEL_BITS + 1):
+            wb = torch.full((h, d), b, dtype=torch.int64, device=k.device)
+            lv = _uniform_channel_levels(_uniform_channel_codes(k_norm_all, wb), wb)
+            errs.append((((lv - k_norm_all) * scale_HD) ** 2).mean(dim=0))
+        err = torch.stack(errs).cpu()
+        err[0] = err[1] * 4  # unused (min_bits >= 1); keeps cummin monotone
+        # outlier channels never go through the grid; keep them at the floor so the budget goes elsewhere
+        w_HD = torch.where(k_in_HD.cpu(), w_HD, torch.zeros(()))
+        k_bits_HD = allocate_channel_bits(err, w_HD, k_channel_bits, min_bits=k_min_bits).to(k.device)
+        k_codebook = torch.linspace(-1.0, 1.0, 1 << bits, device=k.device)  # unused with k_bits
+        k_range = "minmax"  # the per-channel grid keeps the calibrated range (no clipping search)
+    else:
+        k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]  # [N, inliers]
+        k_codebook = fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device)
     if k_range == "mse":
         for _ in range(MSE_ROUNDS):
             scale_HD = _mse_clip_scale(k, zero_HD, scale_HD, k_codebook, k_in_HD)
@@ -420,6 +609,7 @@ def fit_kv_profile(
         v_codebook=fit_codebook(v_norm, bits, method=codebook_v, iters=iters).to(k.device),
         k_outlier_idx=k_idx,
         v_outlier_idx=v_idx,
+        k_bits=k_bits_HD,
     )
 
 
@@ -452,7 +642,7 @@ def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor) -> torch.Tensor:
 class QuantizedKV:
     """Quantized keys and values of N tokens of one layer, in per-token rows ready to write into pages.
 
-    Fields: k_codes / v_codes [N, H, P] uint8 (packed, module-docstring layout), v_scale [N, H] fp16,
+    Fields: k_codes [N, H, Pk] / v_codes [N, H, P] uint8 (packed, module-docstring layout), v_scale [N, H] fp16,
     k_outliers [N, H, Ok] fp16, v_outliers [N, H, Ov] fp16.
     """
 
@@ -494,7 +684,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
         v: [N, H, D] float values.
         profile: the layer's KVQuantProfile (same device).
     Returns:
-        QuantizedKV with k_codes/v_codes [N, H, P] uint8, v_scale [N, H] fp16, k_outliers [N, H, Ok] fp16,
+        QuantizedKV with k_codes [N, H, Pk] / v_codes [N, H, P] uint8, v_scale [N, H] fp16, k_outliers [N, H, Ok] fp16,
         v_outliers [N, H, Ov] fp16. Magnitudes above 65504 saturate in the fp16 side arrays.
     Raises:
         ValueError: k or v not [N, H, D] matching the profile.
@@ -502,12 +692,16 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
     _check_kv(k, profile, "k")
     _check_kv(v, profile, "v")
     kf, vf = k.float(), v.float()
-    k_codes = nearest_level((kf - profile.k_zero) / profile.k_scale, profile.k_codebook)
+    k_norm = (kf - profile.k_zero) / profile.k_scale
+    if profile.per_channel_keys:
+        k_packed = pack_codes_var(_uniform_channel_codes(k_norm, profile.k_bits), profile.k_bits)
+    else:
+        k_packed = pack_codes(nearest_level(k_norm, profile.k_codebook), profile.bits)
     v_c = vf - profile.v_zero
     v_scale = _value_scale(v_c, _inlier_mask(profile.v_outlier_idx, profile.head_dim))
     v_codes = nearest_level(v_c / v_scale.float()[..., None], profile.v_codebook)
     return QuantizedKV(
-        k_codes=pack_codes(k_codes, profile.bits),
+        k_codes=k_packed,
         v_codes=pack_codes(v_codes, profile.bits),
         v_scale=v_scale,
         k_outliers=_gather_channels(kf, profile.k_outlier_idx),
@@ -516,9 +710,12 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
 
 
 def dequantize_keys(k_codes: torch.Tensor, k_outliers: torch.Tensor, profile: KVQuantProfile) -> torch.Tensor:
-    """[N, H, P] uint8 codes + [N, H, Ok] fp16 outliers -> [N, H, D] fp32 keys (pre-RoPE)."""
-    codes = unpack_codes(k_codes, profile.bits, profile.head_dim)
-    k = profile.k_codebook[codes] * profile.k_scale + profile.k_zero
+    """[N, H, Pk] uint8 codes + [N, H, Ok] fp16 outliers -> [N, H, D] fp32 keys (pre-RoPE)."""
+    if profile.per_channel_keys:
+        level = _uniform_channel_levels(unpack_codes_var(k_codes, profile.k_bits), profile.k_bits)
+    else:
+        level = profile.k_codebook[unpack_codes(k_codes, profile.bits, profile.head_dim)]
+    k = level * profile.k_scale + profile.k_zero
     return _restore_channels(k, k_outliers, profile.k_outlier_idx)
 
 
@@ -540,7 +737,8 @@ def dequantize_kv(q: QuantizedKV, profile: KVQuantProfile) -> tuple[torch.Tensor
 class KVPages:
     """Paged quantized KV storage of one layer (layout in the module docstring).
 
-    Fields: k_codes / v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16, k_outliers [NB, S, H, Ok] fp16,
+    Fields: k_codes [NB, H, S, Pk] / v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16,
+    k_outliers [NB, S, H, Ok] fp16,
     v_outliers [NB, S, H, Ov] fp16. Token t of a sequence's quantized region lives in block
     `block_table[t // S]` at slot `t % S`. Head-major codes keep one (block, head) contiguous for the kernel.
     """
@@ -552,9 +750,9 @@ class KVPages:
     v_outliers: torch.Tensor
 
     def __post_init__(self) -> None:
-        nb, h, s, p = self.k_codes.shape
+        nb, h, s, _ = self.k_codes.shape
         expect = {
-            "v_codes": ((nb, h, s, p), torch.uint8),
+            "v_codes": ((nb, h, s, self.v_codes.shape[-1]), torch.uint8),
             "v_scale": ((nb, s, h), torch.float16),
             "k_outliers": ((nb, s, h, self.k_outliers.shape[-1]), torch.float16),
             "v_outliers": ((nb, s, h, self.v_outliers.shape[-1]), torch.float16),
@@ -588,7 +786,7 @@ class KVPages:
         h, p = profile.num_kv_heads, profile.packed_bytes
         f16 = torch.float16
         return KVPages(
-            k_codes=torch.zeros(num_blocks, h, block_size, p, dtype=torch.uint8, device=device),
+            k_codes=torch.zeros(num_blocks, h, block_size, profile.k_packed_bytes, dtype=torch.uint8, device=device),
             v_codes=torch.zeros(num_blocks, h, block_size, p, dtype=torch.uint8, device=device),
             v_scale=torch.zeros(num_blocks, block_size, h, dtype=f16, device=device),
             k_outliers=torch.zeros(num_blocks, block_size, h, profile.n_outlier_k, dtype=f16, device=device),

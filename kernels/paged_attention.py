@@ -14,7 +14,9 @@ RoPE follows HF Llama/Qwen (rotate-half): `x * cos[pos] + rotate_half(x) * sin[p
 `paged_decode_attention_ref` dequantizes one sequence's blocks at a time with the PyTorch functions of
 kv_quant. `paged_decode_attention_triton` runs one program per (sequence, KV head) and serves all H_q / H_kv
 query heads of the group from one dequantization: it walks the block table, unpacks codes from uint8 in
-registers, looks levels up in the codebook, applies scales, outliers and RoPE, and folds each block into a
+registers, looks levels up in the codebook (or, with per-channel key widths `k_bits`, reads each key
+channel at its own bit offset and width and maps it onto its uniform grid), applies scales, outliers and RoPE,
+and folds each block into a
 flash-decoding online softmax. No dense copy of the cache is ever made.
 
 Shape legend: B = sequences, Hq = query heads, H = KV heads, D = head_dim, S = block_size,
@@ -30,7 +32,8 @@ import triton
 import triton.language as tl
 
 
-from kernels.kv_quant import KVPages, KVQuantProfile, dequantize_keys, dequantize_values
+from kernels.kv_quant import (KVPages, KVQuantProfile, channel_bit_offsets, dequantize_keys,
+                              dequantize_values)
 from kernels.triton_launch import launch_guard
 
 
@@ -67,9 +70,12 @@ def _validate(q, pages: KVPages, block_tables, context_lens, profile: KVQuantPro
         raise ValueError(f"q head_dim={d} != profile.head_dim={profile.head_dim}")
     if hq % h:
         raise ValueError(f"query heads Hq={hq} must be a multiple of KV heads H={h}")
-    if pages.k_codes.shape[1] != h or pages.k_codes.shape[3] != profile.packed_bytes:
+    if pages.k_codes.shape[1] != h or pages.k_codes.shape[3] != profile.k_packed_bytes:
         raise ValueError(f"pages.k_codes.shape={tuple(pages.k_codes.shape)} does not match the profile "
-                         f"(H={h}, P={profile.packed_bytes})")
+                         f"(H={h}, Pk={profile.k_packed_bytes})")
+    if pages.v_codes.shape[3] != profile.packed_bytes:
+        raise ValueError(f"pages.v_codes.shape={tuple(pages.v_codes.shape)} does not match the profile "
+                         f"(P={profile.packed_bytes})")
     if pages.k_outliers.shape[-1] != profile.n_outlier_k or pages.v_outliers.shape[-1] != profile.n_outlier_v:
         raise ValueError("pages outlier widths do not match profile.k_outlier_idx / v_outlier_idx")
     if block_tables.dim() != 2 or block_tables.shape[0] != b:
@@ -191,6 +197,19 @@ def _unpack(ptr, row_T, chan_C, mask_T, BITS: tl.constexpr, P: tl.constexpr):
 
 
 @triton.jit
+def _unpack_var(ptr, row_T, off_C, mask_C, mask_T, P: tl.constexpr):
+    """[T, C] int32 codes of per-channel widths: channel c at bit offset off_C[c] of each packed row, code
+    mask mask_C[c] = 2**width - 1 (width <= 8, so a code spans at most two bytes)."""
+    byte = off_C // 8
+    shift = off_C % 8
+    m = mask_T[:, None]
+    word = tl.load(ptr + row_T[:, None] + byte[None, :], mask=m, other=0).to(tl.int32)
+    nxt = tl.load(ptr + row_T[:, None] + byte[None, :] + 1, mask=m & (byte[None, :] + 1 < P), other=0)
+    word = word | (nxt.to(tl.int32) << 8)
+    return (word >> shift[None, :]) & mask_C[None, :]
+
+
+@triton.jit
 def _online_softmax_step(q1, q2, k1, k2, v, valid_T, m_i, l_i, acc, sm_scale):
     """Fold one tile of T keys/values into the running (max, sum, acc) of BLOCK_G query heads.
 
@@ -230,12 +249,14 @@ def _paged_decode_kernel(
     q_ptr, out_ptr,
     k_codes_ptr, v_codes_ptr, v_scale_ptr, k_out_ptr, v_out_ptr,
     k_cb_ptr, v_cb_ptr, k_scale_ptr, k_zero_ptr, v_zero_ptr, k_slot_ptr, v_slot_ptr,
+    k_off_ptr, k_mask_ptr, k_step_ptr,
     block_tables_ptr, context_lens_ptr, cos_ptr, sin_ptr,
     sink_k_ptr, sink_v_ptr, sink_lens_ptr, tail_k_ptr, tail_v_ptr, tail_lens_ptr,
     sm_scale, max_blocks, n_sink_max, n_tail_max,
     kc_bs, vc_bs, vs_bs, ko_bs, vo_bs,
     H: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-    BITS: tl.constexpr, P: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+    BITS: tl.constexpr, P: tl.constexpr, PK: tl.constexpr, K_VAR: tl.constexpr, S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     N_OUT_K: tl.constexpr, N_OUT_V: tl.constexpr,
     HAS_SINK: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -266,6 +287,13 @@ def _paged_decode_kernel(
     kz2 = tl.load(k_zero_ptr + head * D + HALF + offs_h)
     kslot1 = tl.load(k_slot_ptr + head * D + offs_h)
     kslot2 = tl.load(k_slot_ptr + head * D + HALF + offs_h)
+    if K_VAR:  # per-channel key widths: bit offset, code mask and grid step 2 / (2**b - 1) per channel
+        koff1 = tl.load(k_off_ptr + head * D + offs_h)
+        koff2 = tl.load(k_off_ptr + head * D + HALF + offs_h)
+        kmask1 = tl.load(k_mask_ptr + head * D + offs_h)
+        kmask2 = tl.load(k_mask_ptr + head * D + HALF + offs_h)
+        kstep1 = tl.load(k_step_ptr + head * D + offs_h)
+        kstep2 = tl.load(k_step_ptr + head * D + HALF + offs_h)
     vslot = tl.load(v_slot_ptr + head * D + offs_d)
     vz = tl.load(v_zero_ptr + head * D + offs_d)
 
@@ -282,10 +310,19 @@ def _paged_decode_kernel(
         side_row = offs_t * H + head  # [T] row within the block of the [S, H, ...] side arrays
         m2 = valid[:, None]
 
-        k1 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, offs_h, valid, BITS, P)) * ks1[None, :] \
-            + kz1[None, :]
-        k2 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, HALF + offs_h, valid, BITS, P)) \
-            * ks2[None, :] + kz2[None, :]
+        if K_VAR:
+            kcode_in = (head * S + offs_t) * PK
+            lv1 = _unpack_var(k_codes_ptr + blk * kc_bs, kcode_in, koff1, kmask1, valid, PK).to(tl.float32) \
+                * kstep1[None, :] - 1.0
+            lv2 = _unpack_var(k_codes_ptr + blk * kc_bs, kcode_in, koff2, kmask2, valid, PK).to(tl.float32) \
+                * kstep2[None, :] - 1.0
+            k1 = lv1 * ks1[None, :] + kz1[None, :]
+            k2 = lv2 * ks2[None, :] + kz2[None, :]
+        else:
+            k1 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, offs_h, valid, BITS, P)) \
+                * ks1[None, :] + kz1[None, :]
+            k2 = tl.load(k_cb_ptr + _unpack(k_codes_ptr + blk * kc_bs, code_in, HALF + offs_h, valid, BITS, P)) \
+                * ks2[None, :] + kz2[None, :]
         if N_OUT_K > 0:
             o1 = tl.load(k_out_ptr + blk * ko_bs + side_row[:, None] * N_OUT_K + kslot1[None, :],
                          mask=m2 & (kslot1[None, :] >= 0), other=0.0).to(tl.float32)
@@ -374,6 +411,13 @@ def paged_decode_attention_triton(
     if has_sink and sink_lens is None:
         sink_lens = torch.full((b,), sink_k.shape[1], dtype=i32, device=dev)
     s = pages.block_size
+    if profile.per_channel_keys:
+        kb = profile.k_bits.to(torch.int32)
+        k_off, k_mask = channel_bit_offsets(profile.k_bits).contiguous(), ((1 << kb) - 1).contiguous()
+        k_step = (2.0 / ((1 << kb) - 1).float()).contiguous()
+    else:
+        k_off = k_mask = dummy_i
+        k_step = dummy_f.float()
     kc, vc, vs, ko, vo = (_block_major(t) for t in (pages.k_codes, pages.v_codes, pages.v_scale, pages.k_outliers,
                                                      pages.v_outliers))
     with launch_guard():
@@ -382,6 +426,7 @@ def paged_decode_attention_triton(
             kc, vc, vs, ko, vo,
             profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
             profile.outlier_slots("k"), profile.outlier_slots("v"),
+            k_off, k_mask, k_step,
             block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
             cos.float().contiguous(), sin.float().contiguous(),
             sink_k.contiguous() if has_sink else dummy_f, sink_v.contiguous() if has_sink else dummy_f,
@@ -392,7 +437,8 @@ def paged_decode_attention_triton(
             sink_k.shape[1] if has_sink else 0, tail_k.shape[1] if has_tail else 0,
             kc.stride(0), vc.stride(0), vs.stride(0), ko.stride(0), vo.stride(0),
             H=h, GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=d, HALF=d // 2,
-            BITS=profile.bits, P=profile.packed_bytes, S=s, BLOCK_S=triton.next_power_of_2(s),
+            BITS=profile.bits, P=profile.packed_bytes, PK=profile.k_packed_bytes, K_VAR=profile.per_channel_keys,
+            S=s, BLOCK_S=triton.next_power_of_2(s),
             N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
             HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16,
         )

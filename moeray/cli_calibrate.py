@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
                    help="value codebook method (default: --codebook)")
     p.add_argument("--k-range", default="mse", choices=["mse", "minmax"], help="per-channel key range fit")
     p.add_argument("--no-v-zero", action="store_true", help="do not subtract the per-channel value mean")
+    p.add_argument("--k-channel-bits", type=int, default=None, metavar="B",
+                   help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
+                        "(kernels.kv_quant.fit_kv_profile); default one width for every channel")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -70,14 +73,15 @@ def cmd_calibrate(a) -> int:
         return 2
     t0 = time.perf_counter()
     with tqdm(total=len(ids), unit="tok", desc=f"calibrate {a.domain} {a.bits}-bit", file=sys.stderr) as bar:
-        k, v = collect_calibration_kv(eng, ids, window=window, progress=bar.update)
+        k, v, qe = collect_calibration_kv(eng, ids, window=window, progress=bar.update, with_query_energy=True)
     meta = {"model": os.path.basename(os.path.abspath(a.model)),
             "calibration_files": [os.path.basename(f) for f in a.data], "calibration_tokens": len(ids)}
     try:
         prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, n_outlier=a.n_outlier,
                                  n_outlier_v=a.n_outlier_v, percentile=a.percentile, codebook=a.codebook,
                                  codebook_v=a.codebook_v, k_range=a.k_range,
-                                 use_v_zero=not a.no_v_zero)
+                                 use_v_zero=not a.no_v_zero, k_channel_bits=a.k_channel_bits,
+                                 query_energy=qe if a.k_channel_bits is not None else None)
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2

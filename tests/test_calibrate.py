@@ -81,3 +81,20 @@ def test_auto_rule():
     assert choose_profile("auto", ["prose"], "auto", CODE) == "prose"  # no code profile: fall back
     with pytest.raises(ValueError, match="kv_profile='math' is not loaded"):
         choose_profile("math", ["code", "prose"], "auto", PROSE)
+
+
+def test_calibrate_per_channel_key_bits(model_and_data, tmp_path):
+    """`--k-channel-bits B` (the 2-bit recipe) collects query energies and writes per-channel key widths."""
+    model, d = model_and_data
+    rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "2", "--model", model,
+               "--tokens", "150", "--window", "64", "--n-outlier", "0", "--codebook-v", "kmeans", "--k-range",
+               "minmax", "--k-channel-bits", "40", str(tmp_path)])
+    assert rc == 0
+    meta = json.loads((tmp_path / "prose-2bit.json").read_text())
+    assert meta["fit_options"]["k_channel_bits"] == 40 and meta["fit_options"]["query_energy"] is True
+    prof = load_profile(str(tmp_path / "prose-2bit"))
+    for layer in prof.layers:
+        assert layer.per_channel_keys and layer.k_bits.long().sum(1).tolist() == [40] * layer.num_kv_heads
+        assert layer.k_packed_bytes == 5
+    assert main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "2", "--model", model,
+                 "--tokens", "150", "--window", "64", "--k-channel-bits", "1000", str(tmp_path)]) == 2

@@ -174,6 +174,49 @@ def test_triton_backend_equals_torch_end_to_end(tiny_quant_model):
     assert toks["triton"] == toks["torch"]
 
 
+def test_per_channel_key_widths_prefill_decode_and_triton(tiny_quant_model, tmp_path):
+    """2-bit profiles with per-channel key widths (the 2-bit recipe's format: key rows of Pk != P bytes, no
+    outlier array) page through the mixed-width arena, two key-row sizes side by side: prefill equals
+    decode, the Triton backend equals the torch one, and a batch mixing both profiles decodes."""
+    from actors.kv_profiles import RECOMMENDED_FIT_OPTIONS
+
+    eng0 = _engine(tiny_quant_model, max_model_len=128)
+    ids_cal = torch.randint(1, eng0.model_cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(8)).tolist()
+    k, v, qe = collect_calibration_kv(eng0, ids_cal, window=128, with_query_energy=True)
+    d = k[0].shape[-1]
+    assert len(qe) == len(k) and qe[0].shape == k[0].shape[1:] and bool((qe[0] > 0).all())
+    folder = tmp_path / "profiles"
+    opts = {**RECOMMENDED_FIT_OPTIONS[2], "k_channel_bits": 2 * d + 9}  # a key row of ceil(41 / 8) bytes (D=16)
+    chan = fit_model_profile(k, v, name="prose", bits=2, query_energy=qe, **opts)
+    assert chan.layers[0].per_channel_keys and chan.meta["fit_options"]["query_energy"] is True
+    save_profile(chan, str(folder / "prose-2bit"))
+    save_profile(fit_model_profile(k, v, name="code", bits=2, query_energy=qe, **{**opts, "k_channel_bits": 2 * d + 2}),
+                 str(folder / "code-2bit"))
+    ids = torch.randint(1, 300, (37,), generator=torch.Generator().manual_seed(9)).tolist()
+    outs = {}
+    for backend in ("torch", "triton"):
+        eng = _engine(tiny_quant_model, kv_bits=2, kv_profile=str(folder), max_model_len=64, kv_cache_bytes=2**21,
+                      kernel_backend=backend)
+        keys = set(eng.cache._key.values())
+        assert len(keys) == 2 and {kk[3] for kk in keys} == {-(-(2 * d + 9) // 8), -(-(2 * d + 2) // 8)}
+        if backend == "torch":
+            eng.cache.default_profile = "prose"
+            full = eng.prompt_logits(ids)
+            torch.testing.assert_close(_decode_logits(eng, ids, 14, "prose"), full[13:], atol=2e-4, rtol=1e-4)
+        outs[backend] = _decode_logits(eng, ids, 30, "prose")  # crosses the seal at 32
+        got: dict[str, list[int]] = {"g0": [], "g1": []}
+        for i, prof in enumerate(("prose", "code")):
+            eng.add_request(GenerateRequest(request_id=f"g{i}", prompt_ids=ids[i:20 + i], params={
+                "temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "kv_profile": prof}))
+        while eng.has_work:
+            for o in eng.step():
+                got[o.request_id] += o.token_ids
+        assert all(len(t) == 4 for t in got.values())
+        outs[backend + "_toks"] = got
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-4, rtol=1e-4)
+    assert outs["triton_toks"] == outs["torch_toks"]
+
+
 def test_engine_generate_and_free_after_random_workload(tiny_quant_model):
     """Random arrivals, lengths and cancellations through RankEngine.step: every block and slot comes back."""
     eng = _engine(tiny_quant_model, kv_bits=2, kv_profile="auto", max_model_len=96, kv_cache_bytes=67_000,

@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
 from kernels.kv_quant import (  # noqa: E402
     KVPages,
     KVQuantProfile,
+    allocate_channel_bits,
+    channel_bit_offsets,
+    pack_codes_var,
+    unpack_codes_var,
     dequantize_kv,
     effective_bits,
     fit_codebook,
@@ -252,3 +256,75 @@ def test_separate_value_codebook_method():
     assert not torch.allclose(prof.v_codebook, torch.linspace(-1, 1, 4))
     with pytest.raises(ValueError, match="codebook_v='lloyd'"):
         fit_kv_profile(k_cal, v_cal, bits=2, codebook_v="lloyd")
+
+
+# --- per-channel key widths (k_bits) ------------------------------------------------------------------------
+
+
+def test_pack_codes_var_roundtrip_matches_fixed_width_layout():
+    g = torch.Generator().manual_seed(0)
+    widths = torch.tensor([[1, 8, 3, 2, 5, 2, 3, 4], [2, 2, 2, 2, 2, 2, 8, 8]], dtype=torch.uint8)  # 28 bits each
+    codes = (torch.rand(5, 2, 8, generator=g) * (1 << widths.long()).float()).long()
+    packed = pack_codes_var(codes, widths)
+    assert packed.shape == (5, 2, 4) and packed.dtype == torch.uint8  # ceil(28 / 8) bytes
+    assert torch.equal(unpack_codes_var(packed, widths), codes)
+    assert channel_bit_offsets(widths)[0].tolist() == [0, 1, 9, 12, 14, 19, 21, 24]
+    # equal widths give exactly the fixed-width layout of pack_codes
+    for b in (2, 3, 4):
+        w = torch.full((2, 16), b, dtype=torch.uint8)
+        c = torch.randint(0, 1 << b, (3, 2, 16), generator=g)
+        assert torch.equal(pack_codes_var(c, w), pack_codes(c, b))
+    with pytest.raises(ValueError, match="same bits per head"):
+        pack_codes_var(codes, torch.tensor([[2] * 8, [3] * 8], dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[1, 8\]"):
+        pack_codes_var(codes, torch.tensor([[0, 4] + [2] * 6, [2] * 8], dtype=torch.uint8))
+
+
+def test_allocate_channel_bits_follows_weighted_error():
+    # err halves per bit (6 dB/bit): the bit goes where weight * err is largest
+    err = torch.stack([torch.full((1, 4), 4.0 ** -b) for b in range(9)])
+    bits = allocate_channel_bits(err, torch.tensor([[1.0, 1.0, 16.0, 256.0]]), 2 * 4 + 6)
+    assert bits.tolist() == [[2, 2, 4, 6]] and bits.dtype == torch.uint8
+    with pytest.raises(ValueError, match="k_channel_bits=7"):
+        allocate_channel_bits(err, torch.ones(1, 4), 7)
+
+
+def test_per_channel_key_bits_fit_format_and_error():
+    """Query-energy-weighted widths: a 100x channel and the high-energy channels get the bits; the key row is
+    ceil(B / 8) bytes; error on the weighted channels beats the uniform 2-bit grid with an fp16 outlier at
+    about the same bytes; the profile round-trips through tensors (older files without k_bits load too)."""
+    k_cal, v_cal = _kv(2048)
+    k_cal[:, :, OUTLIER_CHANNELS] *= 100.0
+    energy = torch.ones(2, 64)
+    energy[:, 8:16] = 50.0
+    prof = fit_kv_profile(k_cal, v_cal, bits=2, n_outlier=0, codebook="uniform", codebook_v="kmeans",
+                          k_range="minmax", k_channel_bits=152, query_energy=energy)
+    assert prof.per_channel_keys and prof.k_bits.shape == (2, 64) and prof.k_bits.dtype == torch.uint8
+    assert prof.k_bits.long().sum(1).tolist() == [152, 152] and prof.k_packed_bytes == 19
+    assert bool((prof.k_bits[:, OUTLIER_CHANNELS] >= 6).all()) and bool((prof.k_bits[:, 8:16] >= 3).all())
+    assert prof.bytes_per_token() == 2 * (19 + 16 + 2)
+    k, v = _kv(256, seed=9)
+    k[:, :, OUTLIER_CHANNELS] *= 100.0
+    q = quantize_kv(k, v, prof)
+    assert q.k_codes.shape == (256, 2, 19) and q.v_codes.shape == (256, 2, 16)
+    k_hat, _ = dequantize_kv(q, prof)
+    old = fit_kv_profile(k_cal, v_cal, bits=2, n_outlier=1, codebook="uniform", codebook_v="kmeans",
+                         k_range="minmax")  # 18 bytes per key row
+    k_old, _ = dequantize_kv(quantize_kv(k, v, old), old)
+    w = energy[None]
+    assert ((k_hat - k) ** 2 * w).sum() < 0.7 * ((k_old - k) ** 2 * w).sum()
+    t = prof.to_tensors()
+    assert "k_bits" in t and "k_bits" not in old.to_tensors()
+    back = KVQuantProfile.from_tensors(t)
+    assert torch.equal(back.k_bits, prof.k_bits) and torch.equal(quantize_kv(k, v, back).k_codes, q.k_codes)
+    assert not KVQuantProfile.from_tensors(old.to_tensors()).per_channel_keys
+    pages = KVPages.empty(prof, num_blocks=3, block_size=4)
+    assert pages.k_codes.shape == (3, 2, 4, 19) and pages.v_codes.shape == (3, 2, 4, 16)
+    assert effective_bits(prof, num_tokens=1024) == pytest.approx(
+        (1024 * prof.bytes_per_token() + sum(x.numel() * x.element_size() for x in t.values())) * 8 / (1024 * 256))
+    with pytest.raises(ValueError, match="k_bits rows"):
+        KVQuantProfile.from_tensors(dict(t, k_bits=torch.cat([t["k_bits"][:1], t["k_bits"][:1] + 1])))
+    with pytest.raises(ValueError, match="k_channel_bits=600"):
+        fit_kv_profile(k_cal, v_cal, bits=2, k_channel_bits=600)
+    with pytest.raises(ValueError, match="query_energy.shape"):
+        fit_kv_profile(k_cal, v_cal, bits=2, k_channel_bits=152, query_energy=torch.ones(64))

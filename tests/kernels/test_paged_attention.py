@@ -23,7 +23,7 @@ from kernels.paged_attention import (  # noqa: E402
 
 
 def _case(*, ctx_lens, sink_lens=None, tail_lens=None, hq=4, h=2, d=32, block_size=4, bits=4, n_outlier=2,
-          n_outlier_v=0, seed=0, n_sink=2, n_tail=4, fp16_inputs=False):
+          n_outlier_v=0, seed=0, n_sink=2, n_tail=4, fp16_inputs=False, **fit_kw):
     """Random sequences split into sink / quantized blocks (shuffled pool order) / tail, plus dense truth.
 
     Returns (args, kwargs, dense, err): args/kwargs for the paged functions, dense [B, Hq, D] exact
@@ -36,7 +36,7 @@ def _case(*, ctx_lens, sink_lens=None, tail_lens=None, hq=4, h=2, d=32, block_si
     tail_lens = tail_lens if tail_lens is not None else [0] * b
     lens = [s + c + t for s, c, t in zip(sink_lens, ctx_lens, tail_lens)]
     k_cal, v_cal = torch.randn(64, h, d, generator=g), torch.randn(64, h, d, generator=g)
-    prof = fit_kv_profile(k_cal, v_cal, bits=bits, n_outlier=n_outlier, n_outlier_v=n_outlier_v)
+    prof = fit_kv_profile(k_cal, v_cal, bits=bits, n_outlier=n_outlier, n_outlier_v=n_outlier_v, **fit_kw)
     cos, sin = rope_tables(max(lens) + 3, d)
 
     n_blocks = [math.ceil(c / block_size) for c in ctx_lens]
@@ -119,6 +119,24 @@ def test_triton_matches_ref_without_sink_tail_or_outliers():
     out = paged_decode_attention_triton(*args)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(out[1], torch.zeros_like(q[1]))  # no tokens at all -> zero output
+
+
+@pytest.mark.parametrize("budget,n_outlier", [(76, 0), (96, 1)])
+def test_triton_matches_ref_per_channel_key_bits(budget, n_outlier):
+    """Per-channel key widths (k_bits): codes straddle bytes at arbitrary offsets, the key row (Pk bytes)
+    differs from the value row (P), and widths go up to 8 bits; the kernel reads them like the reference."""
+    d = 32
+    energy = (4.0 ** torch.linspace(0, 7, d)).repeat(2, 1)  # very uneven weights: some channels get 5-8 bits
+    args, kwargs, dense, err = _case(ctx_lens=[7, 13, 4], sink_lens=[2, 1, 2], tail_lens=[3, 0, 1], bits=2,
+                                     n_outlier=n_outlier, n_outlier_v=1, seed=11, k_channel_bits=budget,
+                                     query_energy=energy)
+    prof, pages = args[4], args[1]
+    assert prof.per_channel_keys and int(prof.k_bits.max()) > 3
+    assert pages.k_codes.shape[-1] == -(-budget // 8) != pages.v_codes.shape[-1]
+    ref = paged_decode_attention_ref(*args, **kwargs)
+    out = paged_decode_attention_triton(*args, **kwargs)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.cosine_similarity(ref, dense, dim=-1).min() > 0.8  # 2-bit values of Gaussian data
 
 
 def test_validation_errors():
