@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.cpu_kernels import pack_fixed_rows
+
 Replica = tuple[int, int]  # (rank, local row on that rank)
 
 
@@ -269,17 +271,23 @@ class AllToAllDispatcher(Dispatcher):
         """Fixed-capacity exchange: C rows to and from every rank; returns the results [V, D] of the V pairs."""
         W, D, dev, dt = self.world, x_TD.shape[1], x_TD.device, x_TD.dtype
         V = dest_V.numel()
-        order = torch.argsort(dest_V, stable=True)
-        counts = torch.bincount(dest_V, minlength=W)
-        self._sent[layer] += counts
-        starts = torch.cumsum(counts, 0) - counts
-        slot_V = torch.empty_like(order)  # row of each pair in the [W * C] send buffer
-        slot_V[order] = dest_V[order] * C + torch.arange(V, device=dev) - starts[dest_V[order]]
+        packed = pack_fixed_rows(x_TD, tok_V, dest_V, local_V, W, C)  # fp32 on CPU: one compiled call
+        if packed is not None:
+            send, slot_V, counts = packed
+            self._sent[layer] += counts
+        else:
+            order = torch.argsort(dest_V, stable=True)
+            counts = torch.bincount(dest_V, minlength=W)
+            self._sent[layer] += counts
+            starts = torch.cumsum(counts, 0) - counts
+            slot_V = torch.empty_like(order)  # row of each pair in the [W * C] send buffer
+            slot_V[order] = dest_V[order] * C + torch.arange(V, device=dev) - starts[dest_V[order]]
         if dt == torch.float32:  # ids ride along as an extra column (exact below 2**24); -1 marks padding
-            send = torch.zeros(W * C, D + 1, dtype=dt, device=dev)
-            send[:, D] = -1
-            send[slot_V, :D] = x_TD[tok_V]
-            send[slot_V, D] = local_V.to(dt)
+            if packed is None:
+                send = torch.zeros(W * C, D + 1, dtype=dt, device=dev)
+                send[:, D] = -1
+                send[slot_V, :D] = x_TD[tok_V]
+                send[slot_V, D] = local_V.to(dt)
             recv = torch.empty_like(send)
             self._a2a(recv, send, None, None)
             x_R, lid_R = recv[:, :D], recv[:, D].to(torch.int64)

@@ -48,6 +48,7 @@ import torch
 # machine 2 ms here with 1 ms sleeps cost ~25% of the 2-rank step, so the spin covers a whole step
 SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.002"))
 MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
+LIVENESS_S = 0.02  # while waiting, check the peer's process (and the timeout) this often
 LINE = 64  # bytes per header counter (one cache line each: no false sharing between ranks' counters)
 # bytes per (source, destination) slot when the caller does not size them (the rank actor sizes them from the
 # model: the fixed-capacity decode dispatch sends C x (D + 1) fp32 per peer, C <= 256 rows)
@@ -195,7 +196,7 @@ class ShmAllToAll:
 
     def _wait(self, s: int, target: int) -> None:
         t0 = time.perf_counter()
-        sleep, polls = 0.0, 0
+        sleep, polls, next_check = 0.0, 0, LIVENESS_S
         c = self._counters
         while c[s] < target:
             if sleep:
@@ -208,10 +209,12 @@ class ShmAllToAll:
                 waited = time.perf_counter() - t0
                 if waited > SPIN_S and not sleep:
                     sleep = 5e-5
-                if waited > self.timeout_s:
-                    raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
-                if not _alive(self.peer_pids[s]):
-                    raise RuntimeError(f"shared-memory all_to_all: rank {s} (pid {self.peer_pids[s]}) exited")
+                if waited > next_check:  # reading /proc costs ~20-50 us: not on every poll
+                    next_check = waited + LIVENESS_S
+                    if waited > self.timeout_s:
+                        raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
+                    if not _alive(self.peer_pids[s]):
+                        raise RuntimeError(f"shared-memory all_to_all: rank {s} (pid {self.peer_pids[s]}) exited")
         self.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:

@@ -234,6 +234,29 @@ void moeray_expert_ffn_bf16w(const float *x, long sx, const uint16_t *gu, const 
         }
     }
 }
+
+/* ---------------------------------------------------------------- fixed-capacity dispatch packing, fp32 */
+/* Pair v (token tok[v] for local expert local[v] on rank dest[v]) goes to row dest[v] * C + j of send
+   [W * C, D + 1], j = its rank among the pairs for that rank (stable); column D carries the local id as fp32,
+   -1 on padding rows (whose other columns are left as they are: receivers skip them).  slot[v] = the row,
+   counts[r] = pairs for rank r.  Returns -1 if a rank gets more than C pairs, else 0. */
+long moeray_pack_rows(const float *x, long D, const long *tok, const long *dest, const long *local, long V,
+                      long W, long C, float *send, long *slot, long *counts) {
+    for (long r = 0; r < W; r++) counts[r] = 0;
+    for (long v = 0; v < V; v++) {
+        const long r = dest[v];
+        if (r < 0 || r >= W || counts[r] >= C) return -1;
+        const long row = r * C + counts[r]++;
+        slot[v] = row;
+        float *dst = send + row * (D + 1);
+        const float *src = x + tok[v] * D;
+        for (long d = 0; d < D; d++) dst[d] = src[d];
+        dst[D] = (float)local[v];
+    }
+    for (long r = 0; r < W; r++)
+        for (long j = counts[r]; j < C; j++) send[(r * C + j) * (D + 1) + D] = -1.0f;
+    return 0;
+}
 """
 
 
@@ -246,7 +269,9 @@ _SIGNATURES = {
     "moeray_rms_norm": [_P, _L, _P, _L, _P, _L, _P, _P, _L, _L, _L, _F],
     "moeray_decode_attention": [_P, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F],
     "moeray_expert_ffn_bf16w": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _L, _P],
+    "moeray_pack_rows": [_P, _L, _P, _P, _P, _L, _L, _L, _P, _P, _P],
 }
+_RESTYPES = {"moeray_pack_rows": ctypes.c_long}
 
 
 def _cpu_supports_avx2_fma() -> bool:
@@ -292,7 +317,7 @@ def _load():
             lib = _build()
             for name, args in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, None
+                fn.argtypes, fn.restype = args, _RESTYPES.get(name)
             _lib = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -463,3 +488,34 @@ def expert_ffn(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         lib.moeray_expert_ffn_bf16w(x_RD.data_ptr(), x_RD.stride(0), w_gate_up.data_ptr(), w_down.data_ptr(),
                                     ids.data_ptr(), None, R, D, I2 // 2, y.data_ptr(), D, scratch.data_ptr())
     return y
+
+
+def pack_fixed_rows(x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
+                    world: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The fixed-capacity dispatch's send buffer in one call (`actors.dispatch.AllToAllDispatcher._run_fixed`).
+
+    Args:
+        x_TD: [T, D] fp32 contiguous token rows. tok_V / dest_V / local_V: int64 [V] token, destination rank and
+            local expert row of each (token, expert) pair. world: W ranks. capacity: C rows per rank.
+    Returns:
+        (send [W * C, D + 1] fp32: the pairs for rank r in rows r * C + j in pair order, the local id in the last
+        column and -1 there on padding rows, whose other columns are unset; slot_V int64 [V] the row of each
+        pair; counts int64 [W] pairs per rank), or None when the kernel cannot run (the caller builds them with
+        PyTorch ops).
+    Raises:
+        ValueError: a rank would receive more than C pairs, or a destination is out of range.
+    """
+    lib = _kernels()
+    if lib is None or not _f32_cpu(x_TD) or not x_TD.is_contiguous() or x_TD.dim() != 2:
+        return None
+    D = x_TD.shape[1]
+    V = dest_V.numel()
+    tok, dest, local = (t.to(torch.int64).contiguous() for t in (tok_V, dest_V, local_V))
+    send = torch.empty(world * capacity, D + 1, dtype=torch.float32)
+    slot = torch.empty(V, dtype=torch.int64)
+    counts = torch.empty(world, dtype=torch.int64)
+    if lib.moeray_pack_rows(x_TD.data_ptr(), D, tok.data_ptr(), dest.data_ptr(), local.data_ptr(), V, world,
+                            capacity, send.data_ptr(), slot.data_ptr(), counts.data_ptr()) != 0:
+        raise ValueError(f"pack_fixed_rows: a destination outside [0, {world}) or more than capacity={capacity} "
+                         f"pairs for one rank")
+    return send, slot, counts

@@ -149,3 +149,26 @@ def test_local_experts_run_padded_gives_zero_rows_for_padding(bf16):
     y = ex.run_padded(x, ids)
     assert torch.equal(y[ids < 0], torch.zeros(3, 16))
     torch.testing.assert_close(y[ids >= 0], ref(x[ids >= 0].contiguous(), ids[ids >= 0]), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_pack_fixed_rows_matches_the_torch_construction():
+    """Pairs grouped by destination in pair order, ids in the last column, -1 on padding rows; a rank given more
+    than C pairs is refused."""
+    from kernels.cpu_kernels import pack_fixed_rows
+
+    g = torch.Generator().manual_seed(3)
+    T, D, W, C = 3, 10, 3, 4
+    x = torch.randn(T, D, generator=g)
+    tok = torch.tensor([0, 0, 1, 1, 2, 2])
+    dest = torch.tensor([2, 0, 0, 2, 2, 1])
+    local = torch.tensor([5, 1, 3, 0, 2, 7])
+    send, slot, counts = pack_fixed_rows(x, tok, dest, local, W, C)
+    assert counts.tolist() == [2, 1, 3]
+    assert slot.tolist() == [8, 0, 1, 9, 10, 4]
+    torch.testing.assert_close(send[slot, :D], x[tok], atol=0, rtol=0)
+    assert send[slot, D].tolist() == [5.0, 1.0, 3.0, 0.0, 2.0, 7.0]
+    pad = sorted(set(range(W * C)) - set(slot.tolist()))
+    assert send[pad, D].tolist() == [-1.0] * len(pad)
+    with pytest.raises(ValueError, match="capacity=1"):
+        pack_fixed_rows(x, tok, dest, local, W, 1)
