@@ -46,6 +46,7 @@ from actors.dispatch import ExpertPlacement
 from actors.engine import EngineConfig, RankEngine
 from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
 from actors.shm_collective import ShmAllToAll
+from kernels.cpu_kernels import cpu_kernels_available
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
 SHM_MAX_BYTES = 256 << 20  # the shared-memory transport's segment (both banks, all rank pairs) at most
@@ -106,7 +107,8 @@ class RankWorker:
 
         transport: "auto" also opens the shared-memory all-to-all (`actors.shm_collective`) for the step
         agreement and the fixed-capacity decode dispatch when the backend is gloo and every rank is on this
-        node; "torch": torch.distributed for every collective. Returns {rank, pid, kv_blocks, transport}."""
+        node; "torch": torch.distributed for every collective. Returns {rank, pid, kv_blocks, cpu_kernels,
+        transport}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
@@ -130,6 +132,8 @@ class RankWorker:
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
+                # None on GPU ranks (the kernels are the CPU path only)
+                "cpu_kernels": cpu_kernels_available() if self.engine.device.type == "cpu" else None,
                 "transport": "shm+" + backend if self.shm is not None else (backend if self.world_size > 1 else "none")}
 
     # ------------------------------------------------------------------ router calls

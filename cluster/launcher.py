@@ -52,6 +52,11 @@ class EPCluster:
         self._placement_epoch = 0
         self._rebalance_lock = threading.Lock()
         log.info("EP group up: %d ranks, %s, %d KV blocks per rank", cfg.ranks, cfg.backend, self.kv_blocks_per_rank)
+        slow = [i["rank"] for i in self.info if i.get("cpu_kernels") is False]
+        if slow:  # the ranks log why in their own worker logs, which a driver with log_to_driver=False never shows
+            log.warning("ranks %s run without the compiled CPU kernels (no C compiler, no AVX2/FMA, or "
+                        "MOERAY_DISABLE_CPU_KERNELS=1): PyTorch paths, same results, about half the decode speed",
+                        slow)
 
     def _spawn(self, timeout_s: float) -> None:
         """Start one RankWorker per bundle of `self.pg` under the current placement and join them in a new
