@@ -257,6 +257,47 @@ long moeray_pack_rows(const float *x, long D, const long *tok, const long *dest,
         for (long j = counts[r]; j < C; j++) send[(r * C + j) * (D + 1) + D] = -1.0f;
     return 0;
 }
+
+/* ---------------------------------------------------------------- packed sub-4-bit weights -> fp32 */
+/* Rows r of a packed stack (kernels/packed_weights.py layout: each row a little-endian bitstream of b-bit codes
+   in W uint32 words): out[r, k] = (level[q] - z[r, g]) * s[r, g], g = k / gs, level = cb[r / rows_per_matrix]
+   when cb (L levels per matrix) else q.  Same fp32 operations as the PyTorch reference: bit-identical. */
+void moeray_dequant_packed(const uint32_t *codes, long W, const float *s, const float *z, long G, long gs,
+                           const float *cb, long L, long rows_per_matrix, long R, long K, long bits, float *out) {
+    const uint32_t mask = (1u << bits) - 1u;
+    for (long r = 0; r < R; r++) {
+        const uint32_t *wr = codes + r * W;
+        const float *sr = s + r * G, *zr = z + r * G;
+        const float *lv = cb ? cb + (r / rows_per_matrix) * L : 0;
+        float *o = out + r * K;
+        for (long g = 0; g < G; g++) {
+            const float zg = zr[g], sg = sr[g];
+            const long k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+            long k = g * gs;
+            if (bits == 2 || bits == 4) {  /* 8 codes at a time: codes never straddle words at 2 and 4 bits */
+                const long cpw = 32 / bits;
+                const __m256i step = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                        _mm256_set1_epi32((int)bits));
+                const __m256i mv = _mm256_set1_epi32((int)mask);
+                const __m256 zv = _mm256_set1_ps(zg), sv = _mm256_set1_ps(sg);
+                for (; k + 8 <= k1; k += 8) {  /* k % 8 == 0: group sizes are multiples of 8 */
+                    const __m256i sh = _mm256_add_epi32(step, _mm256_set1_epi32((int)((k % cpw) * bits)));
+                    const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)wr[k / cpw]), sh), mv);
+                    const __m256 l = lv ? _mm256_i32gather_ps(lv, q, 4) : _mm256_cvtepi32_ps(q);
+                    _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_sub_ps(l, zv), sv));
+                }
+            }
+            for (; k < k1; k++) {
+                const long p = k * bits, lo = p >> 5, off = p & 31;
+                uint32_t v = wr[lo] >> off;
+                if (off + bits > 32) v |= wr[lo + 1] << (32 - off);
+                const uint32_t q = v & mask;
+                const float l = lv ? lv[q] : (float)q;
+                o[k] = (l - zg) * sg;
+            }
+        }
+    }
+}
 """
 
 
@@ -270,6 +311,7 @@ _SIGNATURES = {
     "moeray_decode_attention": [_P, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _L, _F],
     "moeray_expert_ffn_bf16w": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _P, _L, _P],
     "moeray_pack_rows": [_P, _L, _P, _P, _P, _L, _L, _L, _P, _P, _P],
+    "moeray_dequant_packed": [_P, _L, _P, _P, _L, _L, _P, _L, _L, _L, _L, _L, _P],
 }
 _RESTYPES = {"moeray_pack_rows": ctypes.c_long}
 
@@ -519,3 +561,33 @@ def pack_fixed_rows(x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tenso
         raise ValueError(f"pack_fixed_rows: a destination outside [0, {world}) or more than capacity={capacity} "
                          f"pairs for one rank")
     return send, slot, counts
+
+
+def dequant_packed(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, codebook: torch.Tensor | None,
+                   bits: int, group_size: int, shape: tuple[int, ...], out: torch.Tensor | None = None
+                   ) -> torch.Tensor | None:
+    """Packed sub-4-bit weights to fp32 in one pass (`kernels.packed_weights.dequantize`'s CPU fast path).
+
+    Args:
+        codes: `[*, N, W]` int32 (layout of `kernels/packed_weights.py`). scales / zeros: `[*, N, G]` (any float
+            dtype; fp16 as stored). codebook: None or `[*, 2**bits]` levels. bits: 2, 3 or 4. group_size: inputs
+            per group. shape: `(N, K)` or `(E, N, K)`. out: optional fp32 contiguous tensor of `shape` to fill.
+    Returns:
+        fp32 `[*, N, K]` equal bit for bit to the PyTorch reference (`(level[q] - zero) * scale` in fp32), or None
+        when the kernel cannot run (CUDA tensors, no compiled kernels).
+    """
+    lib = _kernels()
+    if lib is None or codes.device.type != "cpu" or (out is not None and not (_f32_cpu(out) and out.is_contiguous())):
+        return None
+    K = shape[-1]
+    R = codes.numel() // codes.shape[-1]
+    rows_per_matrix = shape[-2]
+    c = codes.contiguous()
+    s = scales.float().contiguous()
+    z = zeros.float().contiguous()
+    cb = codebook.float().contiguous() if codebook is not None else None
+    y = out if out is not None else torch.empty(shape, dtype=torch.float32)
+    lib.moeray_dequant_packed(c.data_ptr(), c.shape[-1], s.data_ptr(), z.data_ptr(), s.shape[-1], group_size,
+                              cb.data_ptr() if cb is not None else None, 1 << bits, rows_per_matrix, R, K, bits,
+                              y.data_ptr())
+    return y

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.codebook import lloyd_max
+from kernels.cpu_kernels import dequant_packed
 import torch.nn.functional as F
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -448,6 +449,10 @@ def dequantize(pw: PackedWeight, dtype: torch.dtype = torch.float32, *,
     if out is not None and (tuple(out.shape) != pw.shape or out.dtype != dtype or out.device != pw.device):
         raise ValueError(f"out has shape={tuple(out.shape)}, dtype={out.dtype}, device={out.device}; expected "
                          f"shape={pw.shape}, dtype={dtype}, device={pw.device}")
+    if dtype == torch.float32:  # CPU: one compiled pass, bit-identical to the ops below
+        fast = dequant_packed(pw.codes, pw.scales, pw.zeros, pw.codebook, pw.bits, gs, pw.shape, out)
+        if fast is not None:
+            return fast
     q = _unpack_int32(pw.codes, pw.bits, k)  # [*, N, K] int32
     if pw.codebook is None:
         lv = q.float()

@@ -172,3 +172,24 @@ def test_pack_fixed_rows_matches_the_torch_construction():
     assert send[pad, D].tolist() == [-1.0] * len(pad)
     with pytest.raises(ValueError, match="capacity=1"):
         pack_fixed_rows(x, tok, dest, local, W, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("codebook", [False, True])
+def test_dequant_packed_is_bit_identical_to_the_reference(bits, codebook, monkeypatch):
+    """`kernels.packed_weights.dequantize` on CPU runs the compiled pass; it must equal the PyTorch ops exactly,
+    for a stack with a tail group (K = 130) and a matrix whose K is not a multiple of 8."""
+    from kernels.packed_weights import dequantize, quantize
+
+    g = torch.Generator().manual_seed(bits * 10 + codebook)
+    for shape, gs in (((3, 19, 130), 64), ((37, 75), 32)):
+        p = quantize(torch.randn(*shape, generator=g), bits=bits, group_size=gs, codebook=codebook)
+        fast = dequantize(p)
+        out = torch.empty(shape)
+        assert dequantize(p, out=out) is out and torch.equal(out, fast)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "_lib", None)
+            m.setattr(cpu_kernels, "_tried", True)
+            ref = dequantize(p)
+        assert torch.equal(fast, ref)
