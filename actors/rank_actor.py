@@ -42,7 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from actors.dispatch import ExpertPlacement
+from actors.config import ModelConfig
+from actors.dispatch import FIXED_MAX_ROWS, ExpertPlacement
 from actors.engine import EngineConfig, RankEngine
 from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
 from actors.shm_collective import ShmAllToAll
@@ -121,9 +122,6 @@ class RankWorker:
             if backend == "gloo" and transport == "auto":
                 # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
                 # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
-                from actors.config import ModelConfig
-                from actors.dispatch import FIXED_MAX_ROWS
-
                 hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
                 slot = min(FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
                 self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))

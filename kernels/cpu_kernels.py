@@ -383,7 +383,7 @@ _F32 = torch.float32
 
 def _f32_cpu(*ts: torch.Tensor) -> bool:
     for t in ts:  # a loop, not all(genexpr): this runs ~30 times per decode step
-        if t.dtype is not _F32 or t.is_cuda or t.device.type != "cpu":
+        if t.dtype is not _F32 or t.device.type != "cpu":
             return False
     return True
 
