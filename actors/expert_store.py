@@ -42,7 +42,6 @@ Markov / affinity-based prefetch (ProMoE arXiv 2410.22134, ExFlow arXiv 2401.083
 """
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import os
@@ -60,6 +59,8 @@ from actors.packed_checkpoint import (
     load_packed_experts,
     read_quant_config,
 )
+from kernels.cpu_kernels import MAX_KERNEL_ROWS, PackedFFNArgs, cpu_kernels_available, swiglu_f32
+from kernels.cpu_kernels import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
 from router_service.routing.prefetch import (
     DEFAULT_PREDICTOR,
@@ -167,10 +168,9 @@ class ExpertCache:
                 self._uses[e] += 1
             return {e: self._ready[e] for e in used if e in self._ready}
 
-    def set_scores(self, scores: dict[int, float]) -> None:
-        """Latest predicted usefulness per local expert (for the `predicted` policy); others score 0."""
-        with self._lock:
-            self._score = [float(scores.get(e, 0.0)) for e in range(self.num_experts)]
+    def set_scores(self, scores: list[float]) -> None:
+        """Latest predicted usefulness of each local expert (E_loc floats; for the `predicted` policy)."""
+        self._score = scores  # one reference swap: readers see the old list or the new one
 
     @property
     def resident_bytes(self) -> int:
@@ -292,10 +292,9 @@ class ColdExpertTier:
         """Bytes of the slot stack: the most this tier ever holds."""
         return self.capacity * self.expert_bytes
 
-    def set_scores(self, scores: dict[int, float]) -> None:
-        """Latest predicted usefulness per local expert (for the `predicted` policy); others score 0."""
-        with self._lock:
-            self._score = [float(scores.get(e, 0.0)) for e in range(self.num_experts)]
+    def set_scores(self, scores: list[float]) -> None:
+        """Latest predicted usefulness of each local expert (E_loc floats; for the `predicted` policy)."""
+        self._score = scores  # one reference swap: readers see the old list or the new one
 
     def _take_slot(self, e: int, exclude: set[int], speculative: bool) -> int | None:
         """A slot for `e` (under the lock): a free one, else the policy's victim among unpinned slots whose
@@ -518,6 +517,14 @@ class PackedLayerExperts:
         # The reference miss path dequantizes the whole expert anyway: it computes on the dequantized pair and
         # hands it to the cache itself, so a demand fill costs nothing more (the worker would dequantize again).
         self.inline_fill = backend == "torch"
+        # CPU: the compiled fused path (`kernels.cpu_kernels.packed_expert_ffn`) serves decode-sized misses straight
+        # from the packed bytes, and the worker's fills dequantize through it; None where it cannot run.
+        self._cffn = None
+        if (backend == "torch" and packed is not None and packed.fused and packed.gate_up.device.type == "cpu"
+                and dtype == torch.float32 and cpu_kernels_available()):
+            self._cffn = PackedFFNArgs(packed.gate_up, packed.down)
+            if not self._cffn.ok:
+                self._cffn = None
         self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
         self.demand_fill = demand_fill
         self._lock = threading.Lock()
@@ -525,6 +532,8 @@ class PackedLayerExperts:
         self._prefetched: set[int] = set()  # filled by prefetch since this layer's last call
 
     def _load(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cffn is not None:
+            return self._cffn.dequantize(e)
         if self.tier is not None:
             gu, dn = self.tier.dequantized(e, self._deq, self.dtype)
         else:
@@ -589,6 +598,20 @@ class PackedLayerExperts:
         ready = self._lookup(ids)
         if len(ready) == len(ids):
             return torch.cat([self._cached_ffn(x_1D, *ready[e]) for e in ids])
+        if self._cffn is not None:
+            # CPU: the misses in one compiled call on their packed bytes (no weight materialised); fills go to the
+            # worker, as on a GPU
+            miss = [e for e in ids if e not in ready]
+            y_miss = packed_expert_ffn_cpu(x_1D, miss, self._cffn)
+            if y_miss is None:
+                return self._run(x_1D.expand(len(ids), -1).contiguous(), local_ids_K,
+                                 torch.bincount(local_ids_K, minlength=self.num_local), ids, ready)
+            if self.demand_fill and self.cache.capacity:
+                self.request(miss, protect=set(ids), prefetch=False)
+            if not ready:
+                return y_miss
+            it = iter(y_miss)
+            return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else next(it)[None] for e in ids])
         if self.inline_fill and self.tier is None:
             # Reference backend: a miss dequantizes its expert anyway, so each expert runs on its own dense pair
             # (hit: cached; miss: dequantized now and offered to the cache), with no sort / bincount / scatter:
@@ -620,6 +643,9 @@ class PackedLayerExperts:
         return y
 
     def _cached_ffn(self, x: torch.Tensor, gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+        y = swiglu_f32(x, gu, dn) if self._cffn is not None else None  # CPU, fp32, a few rows: one compiled call
+        if y is not None:
+            return y
         g, u = F.linear(x, gu).split(self.intermediate, dim=1)
         # The product is rounded once to the activation dtype, as on the packed path.
         if x.dtype == torch.float32:
@@ -639,6 +665,12 @@ class PackedLayerExperts:
             ys[lo:hi] = self._cached_ffn(xs[lo:hi], gu, dn)
         if misses and self.tier is not None:
             self._cold_ffn(xs, ys, counts, bounds, misses)
+            if self.demand_fill and self.cache.capacity:
+                self.request(misses, protect=set(used), prefetch=False)
+        elif misses and self._cffn is not None and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS:
+            rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
+            ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
+                                             self._cffn)
             if self.demand_fill and self.cache.capacity:
                 self.request(misses, protect=set(used), prefetch=False)
         elif misses and self.inline_fill:
@@ -935,8 +967,10 @@ class ExpertRuntime:
         """`_predict_and_prefetch` on Python lists: scores per token, top-`budget` by a stable sort (ties: the
         lower id, as the frequency predictor's tie-break intends)."""
         s = self.predictor.scores_lists(layer, prev_layer, prev_tok, hidden, self._T)  # T lists of E
-        rng = range(self.num_experts)
-        pred = [heapq.nlargest(self.budget, rng, key=row.__getitem__) for row in s]
+        rng, B = range(self.num_experts), self.budget
+        # sorted(reverse=True) is stable: equal scores keep the lower id first, as heapq.nlargest would (faster
+        # at E <= a few hundred)
+        pred = [sorted(rng, key=row.__getitem__, reverse=True)[:B] for row in s]
         self._pred[layer] = pred
         if len(s) == 1:
             agg = top = s[0]
@@ -963,7 +997,7 @@ class ExpertRuntime:
         if store is None or (store.cache.capacity == 0 and store.tier is None):
             return
         lo = self.local_of[layer]
-        scores = {i: agg[g] for g, i in lo.items()}
+        scores = [agg[g] for g in self.local[layer]]  # per local expert
         store.cache.set_scores(scores)
         want = [lo[g] for g in union if g in lo and top[g] >= self.min_prefetch_prob]
         want.sort(key=lambda i: -agg[self.local[layer][i]])

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_kernels import GateLogprobs, MarkovTables
 from router_service.routing.stats import RoutingStats, multi_hot
 
 PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid")
@@ -273,6 +274,13 @@ class FrequencyPredictor(ExpertPredictor):
         self._pending_tokens = 0
         self._layer_seen: list[bool] | None = None
 
+    def _tables_c(self) -> MarkovTables:
+        """The compiled view of the current count tensors (rebuilt when `counts` is replaced)."""
+        c, t = self._counts, getattr(self, "_ctab", None)
+        if t is None or t._keep[0] is not c.freq or t._keep[1] is not c.inter or t._keep[2] is not c.intra:
+            t = self._ctab = MarkovTables(c.freq, c.inter, c.intra)
+        return t
+
     @property
     def counts(self) -> TransitionCounts:
         """The transition counts, with every observation so far applied."""
@@ -327,7 +335,19 @@ class FrequencyPredictor(ExpertPredictor):
         self._counts_changed()
 
     def observe_lists(self, layer, ids, prev_layer, prev_tok):
-        """`TransitionCounts.observe` on Python lists: updates the Python copy now, the tensors on `counts`."""
+        """`TransitionCounts.observe` on Python lists: one compiled call on the count tensors where the CPU
+        kernels run (`kernels.cpu_kernels.markov_observe`), else the Python copy now and the tensors on `counts`."""
+        c = self.counts  # applies any queued increments first
+        if self._tables_c().observe(layer, ids, prev_layer, prev_tok):
+            if self._layer_seen is None:
+                self._layer_seen = c.freq.any(1).tolist()
+            if layer == 0 or not any(self._layer_seen[:layer]):
+                c.tokens += len(ids)
+            if any(e >= 0 for row in ids for e in row):
+                self._layer_seen[layer] = True
+            self._py.pop(layer, None)
+            self._counts_changed()
+            return
         E, d = self.num_experts, self._py_layer(layer)
         fi, ii, ti = self._pending
         if self._layer_seen is None:
@@ -472,6 +492,11 @@ class MarkovPredictor(FrequencyPredictor):
 
     def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
         w = self._weights_list(layer)
+        if self._pending_tokens or self._pending[0]:
+            self._flush()
+        p = self._tables_c().probs(layer, self.alpha, w, prev_layer, prev_tok, num_tokens)
+        if p is not None:  # the compiled path (same formula)
+            return p
         return [_softmax(r) for r in self._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)]
 
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
@@ -504,9 +529,13 @@ class LookaheadPredictor(ExpertPredictor):
         self.gate = [None if g is None else g.detach().float().cpu() for g in gate_weights]
         self.norm = [None if n is None else n.detach().float().cpu() for n in (norm_weights or [None] * num_layers)]
         self.norm_eps = norm_eps
+        self._compiled = GateLogprobs(self.gate, self.norm, norm_eps)
 
     def log_probs(self, layer: int, hidden_TD: torch.Tensor) -> torch.Tensor:
         """`[T, E]` float32 log softmax(gate_l(rmsnorm_l(h))) (layer must have a gate)."""
+        fast = self._compiled(layer, hidden_TD)
+        if fast is not None:
+            return fast
         h = hidden_TD.detach().float().cpu()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)
         if self.norm[layer] is not None:
@@ -559,9 +588,18 @@ class HybridPredictor(ExpertPredictor):
 
     def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
         w = MarkovPredictor._weights_list(self, layer)
-        rows = self.markov._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)
+        look = None
         if hidden_TD is not None and self.lookahead.gate[layer] is not None:
-            for r, look in zip(rows, self.lookahead.log_probs(layer, hidden_TD).tolist()):
+            look = self.lookahead.log_probs(layer, hidden_TD)
+        m = self.markov
+        if m._pending_tokens or m._pending[0]:
+            m._flush()
+        p = m._tables_c().probs(layer, m.alpha, w, prev_layer, prev_tok, num_tokens, look)
+        if p is not None:  # the compiled path (same formula)
+            return p
+        rows = m._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)
+        if hidden_TD is not None and self.lookahead.gate[layer] is not None:
+            for r, look in zip(rows, look.tolist()):
                 for b, v in enumerate(look):
                     r[b] += w[2] * v
         return [_softmax(r) for r in rows]

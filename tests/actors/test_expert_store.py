@@ -113,7 +113,7 @@ def test_eviction_policies(policy):
     c = ExpertCache(2, 5, policy, lambda e: loads.append(e) or (e,))
     assert c.fill(0) and c.fill(1)
     c.lookup([0]), c.lookup([0]), c.lookup([1])  # 0 used twice (LFU keeps it), 1 most recently (LRU keeps it)
-    c.set_scores({0: 0.1, 1: 0.9})  # predicted keeps 1
+    c.set_scores([0.1, 0.9, 0.0, 0.0, 0.0])  # predicted keeps 1
     assert c.fill(2)
     kept = {"lru": [1, 2], "lfu": [0, 2], "predicted": [1, 2]}[policy]
     assert c.resident == kept
@@ -256,9 +256,10 @@ def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, pred
     assert s_list["recall"] > 0
 
 
-def test_one_token_miss_fills_the_cache_inline():
-    # run_token's own miss path (reference backend): the dequantized pair goes to the cache, results equal the
-    # general call's.
+def test_one_token_miss_fills_the_cache():
+    # run_token's own miss path (torch backend: the compiled fused kernel on CPU, else dequantize inline): the
+    # missed experts reach the cache (the worker is synchronous here), results equal the general call's, and the
+    # hits that follow agree with the misses to fp32 rounding.
     g = torch.Generator().manual_seed(5)
     E, D, I = 4, 32, 40
     packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
@@ -269,7 +270,7 @@ def test_one_token_miss_fills_the_cache_inline():
     y = lay.run_token(x, ids)
     assert _rel(y, _layer(0, packed)(x.expand(2, D).contiguous(), ids)) < 1e-6
     assert lay.cache.resident == [1, 3] and lay.stats.summary()[0]["cache_fills"] == 2
-    assert torch.equal(lay.run_token(x, ids), y) and lay.stats.summary()[0]["hit_rate"] == 0.5
+    assert _rel(lay.run_token(x, ids), y) < 1e-5 and lay.stats.summary()[0]["hit_rate"] == 0.5
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -193,3 +193,72 @@ def test_dequant_packed_is_bit_identical_to_the_reference(bits, codebook, monkey
             m.setattr(cpu_kernels, "_tried", True)
             ref = dequantize(p)
         assert torch.equal(fast, ref)
+
+
+def _swiglu64(x, gu, dn):
+    g, u = F.linear(x.double(), gu.double()).chunk(2, dim=-1)
+    return F.linear(F.silu(g) * u, dn.double()).float()
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("codebook", [False, True])
+@pytest.mark.parametrize("gs,D,I", [(64, 256, 256), (32, 72, 40), (128, 130, 66), (32, 37, 19)])
+def test_packed_expert_ffn_matches_dequantize_then_float64(bits, codebook, gs, D, I):
+    """The fused packed SwiGLU (codes unpacked in registers, scale and zero taken out of each group's sum) against
+    dequantize-then-float64 matmul: rows of several experts in runs, a -1 row, one token broadcast to K experts,
+    tail groups (D = 130, 37) and K % 8 != 0 (37, 19); every bit width and the codebook permutes. Also the worker's
+    `PackedFFNArgs.dequantize` (bit-identical) and the fp32 cached-expert kernel `swiglu_f32`."""
+    from kernels.packed_weights import dequantize, quantize_experts
+
+    g = torch.Generator().manual_seed(bits * 100 + codebook * 10 + gs + D)
+    E = 4
+    pk = quantize_experts(torch.randn(E, I, D, generator=g), torch.randn(E, I, D, generator=g),
+                          torch.randn(E, D, I, generator=g), bits=bits, group_size=gs, codebook=codebook,
+                          fuse_gate_up=True)
+    args = cpu_kernels.PackedFFNArgs(pk.gate_up, pk.down)
+    dense = [(dequantize(pk.gate_up[e]), dequantize(pk.down[e])) for e in range(E)]
+    x = torch.randn(9, D, generator=g)
+    ids = [0, 0, 0, 0, 0, 2, -1, 3, 3]
+    y = cpu_kernels.packed_expert_ffn(x, ids, args)
+    for r, e in enumerate(ids):
+        if e < 0:
+            assert torch.equal(y[r], torch.zeros(D))
+            continue
+        ref = _swiglu64(x[r : r + 1], *dense[e])[0]
+        torch.testing.assert_close(y[r], ref, atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+        torch.testing.assert_close(cpu_kernels.swiglu_f32(x[r : r + 1], *dense[e])[0], ref,
+                                   atol=1e-5 * float(ref.abs().max()), rtol=1e-5)
+    yb = cpu_kernels.packed_expert_ffn(x[:1], [3, 1], args)  # one token, two experts
+    torch.testing.assert_close(yb[0], _swiglu64(x[:1], *dense[3])[0], atol=1e-5 * float(yb.abs().max()), rtol=1e-5)
+    assert cpu_kernels.packed_expert_ffn(x[:0], [], args).shape == (0, D)
+    assert cpu_kernels.packed_expert_ffn(x[:1].expand(MAX_KERNEL_ROWS + 1, D), [0] * (MAX_KERNEL_ROWS + 1), args) is None
+    for e in range(E):
+        gu, dn = args.dequantize(e)
+        assert torch.equal(gu, dense[e][0]) and torch.equal(dn, dense[e][1])
+
+
+@needs_kernels
+def test_gate_logprobs_matches_torch():
+    g = torch.Generator().manual_seed(3)
+    gates = [torch.randn(8, 40, generator=g), None, torch.randn(5, 40, generator=g)]
+    norms = [torch.rand(40, generator=g) + 0.5, None, None]
+    k = cpu_kernels.GateLogprobs(gates, norms, 1e-6)
+    h = torch.randn(3, 50, generator=g)[:, 5:45]  # row-strided view
+    for layer in (0, 2):
+        hn = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        if norms[layer] is not None:
+            hn = hn * norms[layer]
+        torch.testing.assert_close(k(layer, h), torch.log_softmax(hn @ gates[layer].T, -1), atol=1e-5, rtol=1e-5)
+    assert k(1, h) is None  # a dense layer
+
+
+def test_markov_tables_fall_back_without_kernels(monkeypatch):
+    """Without compiled kernels the Markov tables decline (callers keep their Python path) and change nothing."""
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    f, m = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, 4, dtype=torch.float64)
+    t = cpu_kernels.MarkovTables(f, m, m.clone())
+    assert not t.ok and t.observe(0, [[1, 2]], None, None) is False and t.probs(0, 0.5, [1, 1], None, None, 1) is None
+    assert not f.any()
+    assert cpu_kernels.packed_expert_ffn(torch.zeros(1, 4), [0], None) is None
