@@ -62,7 +62,7 @@ class EngineConfig:
     # routed experts: weight_bits None = as in the checkpoint; 2/3/4 = packed at load time
     weight_bits: int | None = None
     weight_group_size: int = 64
-    expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: all)
+    expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: 0 on CPU, else all)
     prefetch: str = "none"  # expert prefetch predictor name
     # packed experts per layer kept in memory (None: all); fewer are read on demand from the memory-mapped
     # packed checkpoint (the cold tier, actors.expert_store.ColdExpertTier)

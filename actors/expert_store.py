@@ -519,10 +519,11 @@ class PackedLayerExperts:
         self.inline_fill = backend == "torch"
         # CPU: the compiled fused path (`kernels.cpu_kernels.packed_expert_ffn`) serves decode-sized misses straight
         # from the packed bytes, and the worker's fills dequantize through it; None where it cannot run.
+        # With a cold tier the same kernel runs on the slot stack (slot ids for expert ids).
         self._cffn = None
-        if (backend == "torch" and packed is not None and packed.fused and packed.gate_up.device.type == "cpu"
-                and dtype == torch.float32 and cpu_kernels_available()):
-            self._cffn = PackedFFNArgs(packed.gate_up, packed.down)
+        stack = tier.pool if tier is not None else packed
+        if stack is not None and stack.fused and fused_path_runs(stack.gate_up.device, backend, dtype):
+            self._cffn = PackedFFNArgs(stack.gate_up, stack.down)
             if not self._cffn.ok:
                 self._cffn = None
         self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
@@ -532,7 +533,7 @@ class PackedLayerExperts:
         self._prefetched: set[int] = set()  # filled by prefetch since this layer's last call
 
     def _load(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cffn is not None:
+        if self._cffn is not None and self.tier is None:
             return self._cffn.dequantize(e)
         if self.tier is not None:
             gu, dn = self.tier.dequantized(e, self._deq, self.dtype)
@@ -598,7 +599,7 @@ class PackedLayerExperts:
         ready = self._lookup(ids)
         if len(ready) == len(ids):
             return torch.cat([self._cached_ffn(x_1D, *ready[e]) for e in ids])
-        if self._cffn is not None:
+        if self._cffn is not None and self.tier is None:
             # CPU: the misses in one compiled call on their packed bytes (no weight materialised); fills go to the
             # worker, as on a GPU
             miss = [e for e in ids if e not in ready]
@@ -667,7 +668,7 @@ class PackedLayerExperts:
             self._cold_ffn(xs, ys, counts, bounds, misses)
             if self.demand_fill and self.cache.capacity:
                 self.request(misses, protect=set(used), prefetch=False)
-        elif misses and self._cffn is not None and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS:
+        elif misses and self._cffn is not None and self.tier is None and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS:
             rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
             ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
                                              self._cffn)
@@ -713,7 +714,11 @@ class PackedLayerExperts:
                 for e, s in by_slot:
                     slot_counts[s] = counts[e]
                 rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e, _ in by_slot]).to(xs.device)
-                ys[rows] = self._ffn(xs[rows], slot_counts, tier.pool)
+                y = None
+                if self._cffn is not None and len(rows) <= MAX_KERNEL_ROWS:  # CPU: the compiled fused kernel
+                    y = packed_expert_ffn_cpu(xs[rows], [s for e, s in by_slot for _ in range(int(counts[e]))],
+                                              self._cffn)
+                ys[rows] = y if y is not None else self._ffn(xs[rows], slot_counts, tier.pool)
             finally:
                 tier.release(got)
             todo = [e for e in todo if e not in got]
@@ -1099,20 +1104,33 @@ def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bit
     return PackedExperts(gate_up=quantize(w_gate_up, **kw), down=quantize(w_down, **kw))
 
 
+def fused_path_runs(device: torch.device | str, backend: str, dtype: torch.dtype) -> bool:
+    """True where a decode-sized miss runs the compiled fused kernel on the packed bytes
+    (`kernels.cpu_kernels.packed_expert_ffn`: CPU, the torch backend, fp32 activations, kernels built).
+
+    There the dequantized expert cache does not pay, so `expert_cache_capacity` defaults to 0: the fused kernel
+    reads ~4.5 bits per weight (4-bit, group 64) and unpacks in registers, while a cached fp32 copy is 32 bits per
+    weight to read. Measured on tiny-moe, 4-bit, batch 1, 2 shared EPYC cores (interleaved in-process rounds):
+    C = 0 ran at 0.91x the ms/token of C = E (all experts cached in fp32) and level with the full-precision bf16
+    experts (0.92x), and the forward thread's CPU time with C = E/2 fell 8% when the cache was never filled.
+    """
+    return (torch.device(device).type == "cpu" and backend == "torch" and dtype == torch.float32
+            and cpu_kernels_available())
+
+
 def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) -> str:
     """The predictor `prefetch="auto"` picks: "none" when every expert fits (`full`); else DEFAULT_PREDICTOR on
     CUDA or with a cold tier (`cold`), and "none" for a CPU rank whose packed experts are all resident.
 
     Why: on CUDA a fill runs on the worker's own stream, overlapped with the forward, so a predicted expert
-    arrives at no cost to the step. On CPU a fill is a full dequantize on a core the forward needs (and the
-    prediction and bookkeeping are Python under the GIL): it costs as much as the miss it might avoid, so
-    prefetching ahead cannot save time; the LRU cache filled inline by misses (`PackedLayerExperts.inline_fill`)
-    is the fastest. Measured on 2 shared CPU cores, tiny-moe, 4-bit, batch 1, after the prediction bookkeeping
-    went to Python lists (~0.1 ms per layer) and dequantize was vectorised (~0.3-0.5 ms per matrix): C = E/2
-    with hybrid prefetch still takes ~1.6-1.9x the time of C = E/2 without, because more than half of the
-    prefetch fills are wasted (0.59 at b=1) and each fill is a whole dequantize, the cost of the miss it might
-    avoid, on a core that is not free. A cold tier keeps the predictor everywhere: a cold miss makes the forward wait for a
-    read from the checkpoint file, which a prefetched read (a copy, no dequantize) hides.
+    arrives at no cost to the step. On CPU a miss runs the compiled fused kernel on the packed bytes, which is
+    no slower than a hit on a dequantized fp32 copy (`fused_path_runs`), so a prefetch has nothing to hide: it
+    only adds the prediction (compiled, ~0.15 ms per step on tiny-moe) and fills, each a dequantize on the
+    worker whose fp32 result the forward then reads from the other core's cache. Measured on 2 shared EPYC
+    cores, tiny-moe, 4-bit, batch 1, forward-thread CPU time vs C = E: C = E/2 without prefetch 0.99x, with
+    hybrid prefetch 1.26x (prediction alone 1.02x). A cold tier keeps the predictor everywhere: a cold miss
+    makes the forward wait for a read from the checkpoint file, which a prefetched read (a copy, no
+    dequantize) hides.
     """
     if full:
         return "none"
@@ -1163,7 +1181,8 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
     `cfg.weight_bits` is set (quantized at load time, group size `cfg.weight_group_size`, uniform grid).
     With `cfg.resident_experts` below E (packed checkpoint only) a layer keeps only its share of packed experts
     in memory (`ColdExpertTier`) and reads the others from the memory-mapped checkpoint when needed; the
-    dequantized cache then defaults to empty (`expert_cache_capacity` None -> 0).
+    dequantized cache then defaults to empty (`expert_cache_capacity` None -> 0), as it does wherever the
+    compiled fused kernel serves misses (`fused_path_runs`: CPU); elsewhere None means every local expert.
     Raises:
         ValueError: weight_bits disagrees with a packed checkpoint's bits; expert_cache_capacity or an explicit
             prefetch predictor without packed experts; resident_experts without a packed checkpoint; unknown
@@ -1206,6 +1225,8 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
     capacity = cfg.expert_cache_capacity
     if capacity is None and cold is not None:
         capacity = 0  # a model served from the cold tier does not fit dequantized: cache only when asked to
+    if capacity is None and fused_path_runs(model.device, cfg.kernel_backend, model.dtype):
+        capacity = 0  # CPU: the fused kernel on the packed bytes beats a dequantized copy (`fused_path_runs`)
     rt = build_runtime(model_cfg=mc, model=model, local=local, packed=packed, model_path=cfg.model,
                        capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
                        cold=cold, resident=resident if cold is not None else None)

@@ -9,12 +9,13 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
     calibration run here on training text (standard-library code outside the held-out packages, and prose
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
-    at C = E, E/2, E/4 cached per layer, without prefetch (LRU cache), with `prefetch="auto"` (the default:
+    at C = E, 0, E/2, E/4 cached per layer (C = 0, every expert from its packed bytes through the fused kernel, is
+    the CPU default: `actors.expert_store.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"` (the default:
     `actors.expert_store.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
     predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
     wasted prefetches and thrashing alongside.
 
-    python bench/experts.py --model /tmp/tiny-moe-interim --quick
+    python bench/experts.py --quick
 
 Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code=.. markov_recall=..
 lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..`
@@ -302,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     row("full prec.", None, "-", None, None)
     packed = inst.packed(a.decode_bits, a.group_size, False)
     full = row("packed", E, "none", None, packed)
+    row("packed", 0, "none", None, packed)  # every expert from its packed bytes (the CPU default)
     half = half_pred = None
     for C in (E // 2, E // 4):
         row("packed", C, "none", None, packed)

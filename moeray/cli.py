@@ -52,7 +52,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--weight-bits", type=int, default=None, choices=[2, 3, 4],
                    help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="C",
-                   help="experts per layer kept dequantized (unset: all); the rest run packed")
+                   help="experts per layer kept dequantized (unset: 0 on CPU, where the compiled kernel runs "
+                        "the packed experts faster than a dequantized copy; all elsewhere); the rest run packed")
     p.add_argument("--resident-experts", type=int, default=None, metavar="N",
                    help="packed experts per layer kept in memory (unset: all); the rest are read on demand from "
                         "the memory-mapped packed --model, for models larger than memory")

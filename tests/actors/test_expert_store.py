@@ -125,7 +125,7 @@ def test_eviction_policies(policy):
 
 
 def test_full_and_quarter_cache_give_the_same_tokens(qwen_dir):
-    full = make_engine(qwen_dir, weight_bits=4)  # C = E: every expert resident
+    full = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=8)  # C = E: every expert dequantized
     quarter = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=2, prefetch="markov")  # C = E / 4
     assert full.expert_runtime.summary()["predictor"] == "none"
     rt = quarter.expert_runtime
@@ -141,6 +141,20 @@ def test_full_and_quarter_cache_give_the_same_tokens(qwen_dir):
     assert set(s["layers"]) == {0, 2} and s["layers"][2]["prefetched"] > 0
     assert full.expert_runtime.summary()["hit_rate"] == 1.0
     rt.detach()
+
+
+def test_cpu_default_cache_is_empty_where_the_fused_kernel_runs(qwen_dir):
+    # Unset expert_cache_capacity: 0 on CPU when the compiled fused kernel serves misses (every expert runs from
+    # its packed bytes), all experts otherwise; both give the tokens of C = E.
+    from kernels.cpu_kernels import cpu_kernels_available
+
+    default = make_engine(qwen_dir, weight_bits=4)
+    full = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=8)
+    caps = {s.cache.capacity for s in default.expert_runtime.layers if s is not None}
+    assert caps == ({0} if cpu_kernels_available() else {8})
+    assert default.expert_runtime.summary()["predictor"] == "none"
+    assert _rel(default.prompt_logits(PROMPTS[0]), full.prompt_logits(PROMPTS[0])) < 1e-5
+    assert greedy(default) == greedy(full)
 
 
 def test_quantized_tokens_close_to_full_precision(qwen_dir):
