@@ -11,7 +11,9 @@ Per MoE layer the rank keeps
     C_loc = ceil(C * E_loc / E) on this rank).
 A layer call (`PackedLayerExperts`, the `actors.experts.LocalExperts` contract) serves each expert it needs
 from the cache when it is ready there (hit: a dense matmul) and otherwise runs the fused dequant path on the
-packed weights directly (miss: `packed_expert_ffn`, Triton or the PyTorch reference). It never waits for a
+packed weights directly (miss: `packed_expert_ffn`, Triton, the compiled CPU kernel
+`kernels.cpu_kernels.packed_expert_ffn` for decode-sized rows, or the PyTorch reference). On CPU that kernel is
+no slower than a hit, so the cache defaults to empty there (`fused_path_runs`). It never waits for a
 load: experts become ready only through a `PrefetchWorker` thread, which fills the cache with the experts a
 predictor expects at the next layer (and, after a miss, with the missed expert), overlapping the current
 layer's compute. Both paths compute the same function of the same dequantized weights, so they agree to fp32
