@@ -482,12 +482,12 @@ void moeray_swiglu_f32w(const float *x, long sx, long R, const float *gu, const 
 }
 
 /* ---------------------------------------------------------------- expert prediction for decode steps */
-/* The distinct valid (>= 0) ids of a row of K, in first-seen order; returns how many (at most K <= 64). */
-static long id_set(const long *row, long K, long *out) {
+/* The distinct valid (0 <= id < E) ids of a row of K, in first-seen order; returns how many (K <= 64). */
+static long id_set(const long *row, long K, long E, long *out) {
     long n = 0;
     for (long k = 0; k < K; k++) {
         const long e = row[k];
-        int dup = e < 0;
+        int dup = e < 0 || e >= E;
         for (long i = 0; i < n && !dup; i++) dup = out[i] == e;
         if (!dup) out[n++] = e;
     }
@@ -501,14 +501,14 @@ void moeray_markov_observe(double *freq, double *inter, double *intra, long E, l
                            const long *pl, long Kp, const long *pt, long Kt) {
     long cur[64], src[64];
     for (long t = 0; t < T; t++) {
-        const long nc = id_set(ids + t * K, K, cur);
+        const long nc = id_set(ids + t * K, K, E, cur);
         if (!nc) continue;
         for (long i = 0; i < nc; i++) freq[cur[i]] += 1.0;
         for (int which = 0; which < 2; which++) {
             const long *rows = which ? pt : pl, Ks = which ? Kt : Kp;
             double *m = which ? intra : inter;
             if (!rows) continue;
-            const long ns = id_set(rows + t * Ks, Ks, src);
+            const long ns = id_set(rows + t * Ks, Ks, E, src);
             for (long j = 0; j < ns; j++)
                 for (long i = 0; i < nc; i++) m[src[j] * E + cur[i]] += 1.0;
         }
@@ -534,7 +534,7 @@ void moeray_markov_probs(const double *freq, const double *inter, const double *
             const long *rows = which ? pt : pl, Ks = which ? Kt : Kp;
             const double *m = which ? intra : inter, w = which ? w1 : w0;
             if (!rows) continue;
-            const long ns = id_set(rows + t * Ks, Ks, src);
+            const long ns = id_set(rows + t * Ks, Ks, E, src);
             for (long j = 0; j < ns; j++) {
                 const double *ra = m + src[j] * E;
                 double rs = 0.0;
@@ -943,6 +943,8 @@ def packed_expert_ffn(x_RD: torch.Tensor, ids_R: list[int] | torch.Tensor, packe
     D, I = packed.hidden, packed.intermediate
     if x_RD.shape[-1] != D or (x_RD.shape[0] != R and x_RD.shape[0] != 1):
         raise ValueError(f"packed_expert_ffn: x shape={tuple(x_RD.shape)}, expected [{R}, {D}] or [1, {D}]")
+    if R and max(ids) >= packed.num_experts:
+        raise ValueError(f"packed_expert_ffn: expert id {max(ids)} >= num_experts={packed.num_experts}")
     y = torch.empty(R, D, dtype=torch.float32)
     if R:
         ids_a = (ctypes.c_long * R)(*ids)

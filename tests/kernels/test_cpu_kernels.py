@@ -262,3 +262,19 @@ def test_markov_tables_fall_back_without_kernels(monkeypatch):
     assert not t.ok and t.observe(0, [[1, 2]], None, None) is False and t.probs(0, 0.5, [1, 1], None, None, 1) is None
     assert not f.any()
     assert cpu_kernels.packed_expert_ffn(torch.zeros(1, 4), [0], None) is None
+
+
+@needs_kernels
+def test_packed_expert_ffn_and_markov_tables_reject_out_of_range_ids():
+    """An expert id past the stack is an error (not a read past the weights); the Markov tables ignore ids
+    outside [0, E) as they ignore -1 padding."""
+    from kernels.packed_weights import quantize_experts
+
+    pk = quantize_experts(torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.randn(2, 32, 8), bits=4,
+                          group_size=32, fuse_gate_up=True)
+    with pytest.raises(ValueError, match="expert id 2 >= num_experts=2"):
+        cpu_kernels.packed_expert_ffn(torch.randn(1, 32), [0, 2], cpu_kernels.PackedFFNArgs(pk.gate_up, pk.down))
+    f, m = torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, 4, dtype=torch.float64)
+    t = cpu_kernels.MarkovTables(f, m, m.clone())
+    assert t.observe(0, [[1, 7, -1]], [[9, 2]], None)
+    assert f[0].tolist() == [0, 1, 0, 0] and m[0, 2, 1] == 1 and m.sum() == 1

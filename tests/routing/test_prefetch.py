@@ -204,12 +204,21 @@ def test_hybrid_is_a_product_of_markov_and_lookahead():
     assert set(h.predict(1, prev, None, None, 1)[0, :2].tolist()) == {2, 7}  # no hidden state: Markov alone
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("name", ["frequent", "markov", "hybrid", "lookahead", "none"])
-def test_list_path_matches_tensor_path(name):
-    """`scores_lists` / `observe_lists` (decode bookkeeping on Python lists) track `scores` / `observe`: same
-    scores after every update, same counts (and token count) when read back, with batches of 1 and 3 tokens,
-    padded (-1) ids and tokens without a predecessor."""
+def test_list_path_matches_tensor_path(name, compiled, monkeypatch):
+    """`scores_lists` / `observe_lists` (decode bookkeeping on Python lists: the compiled CPU calls, or pure
+    Python without them) track `scores` / `observe`: same scores after every update, same counts (and token
+    count) when read back, with batches of 1 and 3 tokens, padded (-1) ids and tokens without a predecessor."""
     import random
+
+    from kernels import cpu_kernels
+
+    if not compiled:
+        monkeypatch.setattr(cpu_kernels, "_lib", None)
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
+    elif not cpu_kernels.cpu_kernels_available():
+        pytest.skip("no compiled CPU kernels here")
 
     rng = random.Random(0)
     g = torch.Generator().manual_seed(0)
