@@ -436,7 +436,10 @@ class ColdExpertTier:
 
 
 class PrefetchWorker:
-    """One background thread that runs cache fills in submission order (or inline when `sync`).
+    """One background thread that runs, in submission order (or inline when `sync`), the rank's prediction
+    bookkeeping (`ExpertRuntime` hooks: learn, predict, choose what to fetch) and the cache fills it asks for,
+    so the forward thread only enqueues. On CPU its C calls (dequantize, Markov tables, lookahead gate) release
+    the GIL while the forward's kernels release it too.
 
     On CUDA each fill runs on the worker's own stream and is complete (stream synchronised) before the
     entry is published, so the forward's stream can use it without an event wait.
@@ -796,7 +799,9 @@ class ExpertRuntime:
         self.first_moe = moe[0] if moe else None
         self._warm(warm_counts)
         self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
-        self._T = 0
+        self._T = 0  # the step being bookkept (worker side)
+        self._T_fwd = 0  # the step the forward runs
+        self._hidden_fwd: dict[int, torch.Tensor] = {}
         self._model = None
 
     def _warm(self, counts: TransitionCounts | None) -> None:
@@ -853,7 +858,20 @@ class ExpertRuntime:
         self.worker.close()
 
     def begin_step(self, meta, num_tokens: int) -> None:
-        """Map the step's tokens to sequences: key (first KV block) per token, index of the previous token."""
+        """A step starts: its bookkeeping (which token follows which, and the first MoE layer's prediction) is
+        queued on the prefetch worker, like every per-layer hook below, so the forward thread only enqueues.
+
+        The worker runs the events in order (step start, then each layer's routing), so each prediction is still
+        made before the routing it predicts is observed, and the fills it asks for follow it in the same queue.
+        `meta`, the routed ids and the hidden states are fresh tensors per step, never written again."""
+        self._T_fwd = num_tokens
+        self._hidden_fwd: dict[int, torch.Tensor] = {}
+        if num_tokens and self._observing:
+            self.worker.submit(lambda: self._begin_step(meta, num_tokens))
+
+    def _begin_step(self, meta, num_tokens: int) -> None:
+        """(Worker) Map the step's tokens to sequences: key (first KV block) per token, index of the previous
+        token; predict and prefetch the first MoE layer from the previous tokens."""
         T = num_tokens
         self._T = T
         self._ids: dict[int, torch.Tensor] = {}
@@ -915,16 +933,27 @@ class ExpertRuntime:
         return out
 
     def on_hidden(self, l: int, h_TD: torch.Tensor) -> None:
-        """Residual stream entering layer l's FFN (kept for the lookahead predictor)."""
-        if self._T and self.prefetching:
-            self._hidden[l] = h_TD
+        """Residual stream entering layer l's FFN (kept for the lookahead predictor; handed to the worker with
+        layer l's routing)."""
+        if self._T_fwd and self.prefetching:
+            self._hidden_fwd[l] = h_TD
 
     def on_route(self, l: int, ids_TK: torch.Tensor) -> None:
-        """Layer l just routed: score the prediction made for it, learn, predict the next MoE layer, prefetch.
-        Without a prefetcher or predicted eviction there is nothing to learn or predict: it returns at once (the
-        router thrash metric is the gating router's, `stats()["routing"]["thrash"]`)."""
-        if self._T == 0 or ids_TK.shape[0] != self._T or not self._observing:
+        """Layer l just routed: queue, for the worker, scoring the prediction made for it, learning, predicting
+        the next MoE layer and prefetching its experts. Without a prefetcher or predicted eviction there is
+        nothing to learn or predict: it returns at once (the router thrash metric is the gating router's,
+        `stats()["routing"]["thrash"]`)."""
+        if self._T_fwd == 0 or ids_TK.shape[0] != self._T_fwd or not self._observing:
             return
+        h = self._hidden_fwd.pop(l, None)
+        if ids_TK.is_cuda and not self.worker.sync:  # the worker's stream must not read them before they exist
+            ids_TK, h = ids_TK.cpu(), None if h is None else h.cpu()
+        self.worker.submit(lambda: self._on_route(l, ids_TK, h))
+
+    def _on_route(self, l: int, ids_TK: torch.Tensor, h_TD: torch.Tensor | None) -> None:
+        """(Worker) `on_route`'s work, in step order."""
+        if h_TD is not None:
+            self._hidden[l] = h_TD
         if self._small:
             self._on_route_small(l, ids_TK.tolist())
             return
