@@ -567,6 +567,71 @@ void moeray_gate_logprobs(const float *h, long sh, long T, long D, const float *
         for (long e = 0; e < E; e++) o[e] -= lz;
     }
 }
+
+/* One MoE layer of a decode step's expert-prediction bookkeeping (actors/expert_store.py: ExpertRuntime), for
+   T tokens, in one call:
+   1. score the prediction made for this layer (pred [T, B], or 0) against its routing ids [T, K]:
+      stats[0..3] += (sum |pred_t & B_t|, sum |pred_t|, sum |B_t|, T);
+   2. router thrash against each token's predecessor's set pt [T, Kt] (or 0): stats[4..5] += (sum of Jaccard
+      distances over tokens whose predecessor routed, their count);
+   3. learn: this layer's counts (freq, inter, intra; 0: skip) as moeray_markov_observe, with pl [T, Kp];
+   4. predict the next MoE layer (nfreq != 0): per token the Markov / hybrid distribution of
+      moeray_markov_probs from the next layer's counts, with this layer's routing as its previous-layer set,
+      npt [T, Knt] as the predecessors' sets there, and, when gate != 0, w2 times the lookahead log-probabilities
+      of h [T, D] (row stride sh) under the next layer's norm and gate; then the top B experts per token (ties:
+      the lower id) into pred_out [T, NB], and per expert the sum (agg) and max (top) of the T probabilities.
+   scratch: D + 2 * T * E floats. */
+void moeray_prefetch_step(double *stats, const long *ids, long K, long T, const long *pred, long B,
+                          const long *pl, long Kp, const long *pt, long Kt,
+                          double *freq, double *inter, double *intra, long E,
+                          const double *nfreq, const double *ninter, const double *nintra, double alpha,
+                          double w0, double w1, double w2, const long *npt, long Knt,
+                          const float *h, long sh, long D, const float *norm, float eps, const float *gate,
+                          long NB, long *pred_out, float *agg, float *top, float *scratch) {
+    long cur[64], oth[64];
+    for (long t = 0; t < T; t++) {
+        const long nc = id_set(ids + t * K, K, E, cur);
+        if (pred) {
+            const long np = id_set(pred + t * B, B, E, oth);
+            long hit = 0;
+            for (long i = 0; i < np; i++) for (long j = 0; j < nc; j++) hit += oth[i] == cur[j];
+            stats[0] += hit; stats[1] += np; stats[2] += nc;
+        }
+        if (pt) {
+            const long na = id_set(pt + t * Kt, Kt, E, oth);
+            if (na) {
+                long in = 0;
+                for (long i = 0; i < na; i++) for (long j = 0; j < nc; j++) in += oth[i] == cur[j];
+                stats[4] += 1.0 - (double)in / (double)(na + nc - in);
+                stats[5] += 1.0;
+            }
+        }
+    }
+    if (pred) stats[3] += T;
+    if (freq) moeray_markov_observe(freq, inter, intra, E, T, ids, K, pl, Kp, pt, Kt);
+    if (!nfreq) return;
+    float *look = 0, *p = scratch + D + T * E;
+    if (gate) {
+        look = scratch + D;
+        moeray_gate_logprobs(h, sh, T, D, norm, eps, gate, E, look, scratch);
+    }
+    moeray_markov_probs(nfreq, ninter, nintra, E, alpha, w0, w1, look ? w2 : 0.0, T, ids, K, npt, Knt, look, p);
+    for (long e = 0; e < E; e++) { agg[e] = 0.0f; top[e] = 0.0f; }
+    for (long t = 0; t < T; t++) {
+        const float *pr = p + t * E;
+        for (long e = 0; e < E; e++) { agg[e] += pr[e]; top[e] = pr[e] > top[e] ? pr[e] : top[e]; }
+        long *po = pred_out + t * NB;
+        for (long i = 0; i < NB; i++) {
+            long best = -1;
+            for (long e = 0; e < E; e++) {
+                int used = 0;
+                for (long j = 0; j < i && !used; j++) used = po[j] == e;
+                if (!used && (best < 0 || pr[e] > pr[best])) best = e;
+            }
+            po[i] = best;
+        }
+    }
+}
 """
 
 
@@ -586,6 +651,8 @@ _SIGNATURES = {
     "moeray_markov_observe": [_P, _P, _P, _L, _L, _P, _L, _P, _L, _P, _L],
     "moeray_markov_probs": [_P, _P, _P, _L, _D, _D, _D, _D, _L, _P, _L, _P, _L, _P, _P],
     "moeray_gate_logprobs": [_P, _L, _L, _L, _P, _F, _P, _L, _P, _P],
+    "moeray_prefetch_step": [_P, _P, _L, _L, _P, _L, _P, _L, _P, _L, _P, _P, _P, _L, _P, _P, _P, _D, _D, _D, _D,
+                             _P, _L, _P, _L, _L, _P, _F, _P, _L, _P, _P, _P, _P],
 }
 _RESTYPES = {"moeray_pack_rows": ctypes.c_long}
 
@@ -1083,6 +1150,10 @@ class GateLogprobs:
             self._keep.append((g, n))
             self._ptrs.append((g.data_ptr(), None if n is None else n.data_ptr(), *g.shape) if ok else None)
 
+    def ptrs(self, layer: int) -> tuple | None:
+        """(gate pointer, norm pointer or None, E, D) of `layer`, or None where the kernel cannot run."""
+        return self._ptrs[layer] if _kernels() is not None else None
+
     def __call__(self, layer: int, h_TD: torch.Tensor) -> torch.Tensor | None:
         """`[T, E]` float32 log-probabilities for `h_TD` `[T, D]` float32 CPU rows, or None when the kernel
         cannot run (no kernels, other dtypes/devices, more than `MAX_KERNEL_ROWS` rows, a layer without gate)."""
@@ -1097,3 +1168,62 @@ class GateLogprobs:
         _lib.moeray_gate_logprobs(h_TD.data_ptr(), h_TD.stride(0), T, D, npt, self.eps, gp, E, out.data_ptr(),
                                   scratch)
         return out
+
+
+def prefetch_step(tables: MarkovTables, layer: int, ids_TK: torch.Tensor, pred: list[list[int]] | None,
+                  prev_layer_TK: torch.Tensor | None, prev_tok: list[list[int]] | None, next_layer: int | None,
+                  alpha: float, weights: list[float] | None, next_prev_tok: list[list[int]] | None,
+                  h_TD: torch.Tensor | None, look: tuple | None, eps: float, budget: int):
+    """One MoE layer of a decode step's expert-prediction bookkeeping in one call (the C function
+    `moeray_prefetch_step`): score `pred` against the routing, router thrash against the predecessors' sets,
+    learn the layer's Markov counts, and predict `next_layer` (Markov, or hybrid with `look`).
+
+    Args:
+        tables: the predictor's `MarkovTables`. ids_TK: `[T, K]` int64 CPU contiguous routing of `layer` (-1 pad).
+        pred: the prediction made for `layer` (T rows), or None. prev_layer_TK: the previous MoE layer's routing
+            `[T, K']` int64 CPU contiguous, or None. prev_tok: T rows, each token's predecessor's set here.
+        next_layer: the MoE layer to predict, or None. alpha, weights: the Markov smoothing and per-layer
+            weights of `next_layer` (w_inter, w_intra[, w_look]). next_prev_tok: predecessors' sets there.
+        h_TD: `[T, D]` float32 hidden state (for the lookahead term), look: `GateLogprobs.ptrs(next_layer)` or
+            None (Markov only). eps: its RMSNorm epsilon. budget: experts predicted per token (B).
+    Returns:
+        (stats, next): stats = [pred hits, predicted, routed, tokens scored, thrash sum, thrash pairs];
+        next = (T rows of B predicted ids, agg [E] summed probabilities, top [E] max probabilities) or None
+        without `next_layer`. None when the kernel cannot run (rows over 64 ids, more than `MAX_KERNEL_ROWS`
+        tokens).
+    """
+    if not tables.ok:
+        return None
+    T, K = ids_TK.shape
+    E = tables.E
+    pr, B = _id_rows(pred)
+    pt, kt = _id_rows(prev_tok)
+    npt, knt = _id_rows(next_prev_tok)
+    if max(K, B, kt, knt) > _MAX_SET or T > MAX_KERNEL_ROWS or (pred is not None and B != len(pred[0])):
+        return None
+    stats = (ctypes.c_double * 6)()
+    f, i, t = tables._f, tables._i, tables._t
+    if next_layer is None:
+        _lib.moeray_prefetch_step(stats, ids_TK.data_ptr(), K, T, pr, B,
+                                  None if prev_layer_TK is None else prev_layer_TK.data_ptr(),
+                                  0 if prev_layer_TK is None else prev_layer_TK.shape[1], pt, kt,
+                                  f + 8 * layer * E, i + 8 * layer * E * E, t + 8 * layer * E * E, E,
+                                  None, None, None, 0.0, 0.0, 0.0, 0.0, None, 0, None, 0, 0, None, 0.0, None,
+                                  0, None, None, None, None)
+        return list(stats), None
+    D = h_TD.shape[1] if look is not None else 0
+    pred_out = (ctypes.c_long * (T * budget))()
+    agg, top = (ctypes.c_float * E)(), (ctypes.c_float * E)()
+    scratch = (ctypes.c_float * (D + 2 * T * E))()
+    w2 = weights[2] if look is not None else 0.0
+    nl = next_layer
+    _lib.moeray_prefetch_step(stats, ids_TK.data_ptr(), K, T, pr, B,
+                              None if prev_layer_TK is None else prev_layer_TK.data_ptr(),
+                              0 if prev_layer_TK is None else prev_layer_TK.shape[1], pt, kt,
+                              f + 8 * layer * E, i + 8 * layer * E * E, t + 8 * layer * E * E, E,
+                              f + 8 * nl * E, i + 8 * nl * E * E, t + 8 * nl * E * E, alpha, weights[0], weights[1], w2,
+                              npt, knt, None if look is None else h_TD.data_ptr(),
+                              0 if look is None else h_TD.stride(0), D, None if look is None else look[1], eps,
+                              None if look is None else look[0], budget, pred_out, agg, top, scratch)
+    po = list(pred_out)
+    return list(stats), ([po[r * budget : (r + 1) * budget] for r in range(T)], list(agg), list(top))

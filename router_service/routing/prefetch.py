@@ -281,6 +281,19 @@ class FrequencyPredictor(ExpertPredictor):
             t = self._ctab = MarkovTables(c.freq, c.inter, c.intra)
         return t
 
+    def _observed_c(self, layer: int, ids: list[list[int]]) -> None:
+        """After the compiled tables learned a step at `layer` (`ids`: its T rows): the token count (once per
+        token, at the first layer that routes) and the caches derived from the counts."""
+        c = self._counts
+        if self._layer_seen is None:  # only layers below `layer` matter here, which this step has not touched
+            self._layer_seen = c.freq.any(1).tolist()
+        if layer == 0 or not any(self._layer_seen[:layer]):
+            c.tokens += len(ids)
+        if any(e >= 0 for row in ids for e in row):
+            self._layer_seen[layer] = True
+        self._py.pop(layer, None)
+        self._counts_changed()
+
     @property
     def counts(self) -> TransitionCounts:
         """The transition counts, with every observation so far applied."""
@@ -339,14 +352,7 @@ class FrequencyPredictor(ExpertPredictor):
         kernels run (`kernels.cpu_kernels.MarkovTables`), else the Python copy now and the tensors on `counts`."""
         c = self.counts  # applies any queued increments first
         if self._tables_c().observe(layer, ids, prev_layer, prev_tok):
-            if self._layer_seen is None:
-                self._layer_seen = c.freq.any(1).tolist()
-            if layer == 0 or not any(self._layer_seen[:layer]):
-                c.tokens += len(ids)
-            if any(e >= 0 for row in ids for e in row):
-                self._layer_seen[layer] = True
-            self._py.pop(layer, None)
-            self._counts_changed()
+            self._observed_c(layer, ids)
             return
         E, d = self.num_experts, self._py_layer(layer)
         fi, ii, ti = self._pending
