@@ -21,7 +21,8 @@ Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code
 lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..`
 (dppl: perplexity change in percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both
 domains; slowdown = batch-1 TPOT at C = E/2 with the default (auto) prefetcher / at C = E, the median of
-per-round ratios over 3 (quick) or 5 interleaved rounds; _hybrid: with the default predictor forced).
+per-round ratios of 5 rounds measuring C = E and C = E/2 back to back; _hybrid: with the default predictor
+forced).
 """
 from __future__ import annotations
 
@@ -268,66 +269,70 @@ def main(argv: list[str] | None = None) -> int:
     mean_recall = {k: (v["prose"] + v["code"]) / 2 for k, v in recall.items()}
 
     # ---------------------------------------------------------------- 3. decode speed
-    print(f"\n3. decode TPOT (ms per step, median; sampled at T=0.8), {a.decode_bits}-bit uniform experts, "
-          f"{dec_tokens} tokens, "
-          f"torch threads {a.threads} (+ 1 prefetch worker thread)")
+    # Every configuration is measured once per round, rounds interleaved, and the table shows medians: one pass per
+    # row swung by ~25% on this shared machine while configurations measured side by side track each other. The
+    # slowdowns are medians of the per-round ratios.
+    rounds = 3
+    print(f"\n3. decode TPOT (ms per step; median over steps, then over {rounds} interleaved rounds; sampled at "
+          f"T=0.8), {a.decode_bits}-bit uniform experts, {dec_tokens} tokens, torch threads {a.threads} "
+          f"(+ 1 prefetch worker thread)")
     print(f"{'experts':>12} {'C':>3} {'prefetch':>9} {'evict':>9} {'b=1 ms':>8} {'b=8 ms':>8} {'hit b1':>7} "
           f"{'hit b8':>7} {'recall':>7} {'wasted':>7}")
     prompts = [seq[:32] for d in data for seq in data[d]]
     prompts = (prompts * 8)[:8]
-    tpot: dict = {}
-
-    def row(label, C, pf, policy, packed):
-        vals, hits, rec, waste = {}, {}, float("nan"), float("nan")
-        for b in (1, 8):
-            if packed is None:
-                inst.restore()
-            else:
-                rt = inst.install(packed, capacity=C, prefetch=pf, policy=policy, counts=counts)
-            vals[b] = decode_tpot(eng, prompts[:b], dec_tokens)
-            if packed is not None:
-                rt.wait_idle()
-                s = rt.summary()
-                hits[b] = s["hit_rate"]
-                if b == 1:
-                    rec, waste = s["recall"], s["wasted_prefetch_frac"]
-                policy = s["policy"] if policy is None else policy
-        if packed is not None and pf == "auto":
-            pf = f"auto:{s['predictor']}"
-        tpot[(label, C, pf, policy)] = vals
-        print(f"{label:>12} {('-' if C is None else C):>3} {pf:>9} {(policy or '-'):>9} {vals[1]:>8.2f} "
-              f"{vals[8]:>8.2f} {fmt(hits.get(1, float('nan')), 3):>7} {fmt(hits.get(8, float('nan')), 3):>7} "
-              f"{fmt(rec, 3):>7} {fmt(waste, 3):>7}")
-        return vals
-
-    row("full prec.", None, "-", None, None)
     packed = inst.packed(a.decode_bits, a.group_size, False)
-    row("packed", E, "none", None, packed)
-    row("packed", 0, "none", None, packed)  # every expert from its packed bytes (the CPU default)
+    configs = [("full prec.", None, "-", None), ("packed", E, "none", None),
+               ("packed", 0, "none", None)]  # C = 0: every expert from its packed bytes (the CPU default)
     for C in (E // 2, E // 4):
-        row("packed", C, "none", None, packed)
-        row("packed", C, "auto", None, packed)  # the default: auto_prefetch's rule for this device
-        row("packed", C, DEFAULT_PREDICTOR, None, packed)
-    for policy in ("lru", "lfu"):
-        row("packed", E // 4, DEFAULT_PREDICTOR, policy, packed)
-    # The slowdowns: the three batch-1 configurations again, interleaved round by round, and the median of the
-    # per-round ratios (one pass per row above swings by ~25% on a shared machine; adjacent runs share its state).
-    rounds = 3 if q else 5
-    ratios: dict[str, list[float]] = {"auto": [], DEFAULT_PREDICTOR: []}
+        configs += [("packed", C, "none", None), ("packed", C, "auto", None),  # auto: auto_prefetch's rule here
+                    ("packed", C, DEFAULT_PREDICTOR, None)]
+    configs += [("packed", E // 4, DEFAULT_PREDICTOR, pol) for pol in ("lru", "lfu")]
+    times: dict = {(i, b): [] for i in range(len(configs)) for b in (1, 8)}
+    info: dict = {}
     for _ in range(rounds):
-        t = {}
-        for name, C, pf in (("full", E, "none"), ("auto", E // 2, "auto"), (DEFAULT_PREDICTOR, E // 2, DEFAULT_PREDICTOR)):
-            inst.install(packed, capacity=C, prefetch=pf, counts=counts)
-            t[name] = decode_tpot(eng, prompts[:1], dec_tokens)
-        for name in ratios:
-            ratios[name].append(t[name] / t["full"])
+        for i, (label, C, pf, policy) in enumerate(configs):
+            for b in (1, 8):
+                if label == "full prec.":
+                    inst.restore()
+                else:
+                    rt = inst.install(packed, capacity=C, prefetch=pf, policy=policy, counts=counts)
+                times[(i, b)].append(decode_tpot(eng, prompts[:b], dec_tokens))
+                if label != "full prec.":
+                    rt.wait_idle()
+                    info[(i, b)] = rt.summary()
     inst.restore()
-    slowdown, slowdown_pred = (sorted(v)[len(v) // 2] for v in (ratios["auto"], ratios[DEFAULT_PREDICTOR]))
-    print(f"\nbatch-1 slowdown vs C=E, median of {rounds} interleaved rounds (per-round ratios: auto "
-          f"{' '.join(f'{x:.3f}' for x in ratios['auto'])}; {DEFAULT_PREDICTOR} "
-          f"{' '.join(f'{x:.3f}' for x in ratios[DEFAULT_PREDICTOR])}): C=E/2 with the default (auto) prefetcher "
-          f"{slowdown:.3f}x, with {DEFAULT_PREDICTOR} prefetch {slowdown_pred:.3f}x; total "
-          f"{time.perf_counter() - t_start:.0f} s")
+
+    def med(v: list[float]) -> float:
+        return sorted(v)[len(v) // 2]
+
+    nan = float("nan")
+    for i, (label, C, pf, policy) in enumerate(configs):
+        s1, s8 = info.get((i, 1), {}), info.get((i, 8), {})
+        if pf == "auto" and s1:
+            pf = f"auto:{s1['predictor']}"
+        policy = policy or s1.get("policy")
+        print(f"{label:>12} {('-' if C is None else C):>3} {pf:>9} {(policy or '-'):>9} {med(times[(i, 1)]):>8.2f} "
+              f"{med(times[(i, 8)]):>8.2f} {fmt(s1.get('hit_rate', nan), 3):>7} {fmt(s8.get('hit_rate', nan), 3):>7} "
+              f"{fmt(s1.get('recall', nan), 3):>7} {fmt(s1.get('wasted_prefetch_frac', nan), 3):>7}")
+    # The slowdowns: C = E and the C = E/2 configurations measured back to back (paired), 5 rounds of 48 tokens,
+    # the median of the per-round ratios: the table's medians still drift with the machine between rows
+    # measured seconds apart, pairs much less.
+    pairs = [("C=E", E, "none"), ("C=E/2 auto", E // 2, "auto"), (f"C=E/2 {DEFAULT_PREDICTOR}", E // 2, DEFAULT_PREDICTOR),
+             ("C=0", 0, "none")]
+    rr: dict[str, list[float]] = {name: [] for name, _, _ in pairs[1:]}
+    for _ in range(5):
+        t = {}
+        for name, C, pf in pairs:
+            inst.install(packed, capacity=C, prefetch=pf, counts=counts)
+            t[name] = decode_tpot(eng, prompts[:1], 48)
+        for name in rr:
+            rr[name].append(t[name] / t["C=E"])
+    inst.restore()
+    slowdown, slowdown_pred = med(rr["C=E/2 auto"]), med(rr[f"C=E/2 {DEFAULT_PREDICTOR}"])
+    print(f"\nbatch-1 ms/token vs packed C=E, measured back to back, median of 5 rounds of 48 tokens:")
+    for name, v in rr.items():
+        print(f"  {name:>14}: {med(v):.3f}x  (rounds: {' '.join(f'{x:.3f}' for x in v)})")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
     r = {"dppl4_prose": dppl[(4, False)]["prose"], "dppl4_code": dppl[(4, False)]["code"],
          "dppl3_prose": dppl[(3, False)]["prose"], "dppl3_code": dppl[(3, False)]["code"],
          "markov_recall": mean_recall["markov"], "lookahead_recall": mean_recall["lookahead"],
