@@ -1169,9 +1169,9 @@ def fused_path_runs(device: torch.device | str, backend: str, dtype: torch.dtype
 
     There the dequantized expert cache does not pay, so `expert_cache_capacity` defaults to 0: the fused kernel
     reads ~4.5 bits per weight (4-bit, group 64) and unpacks in registers, while a cached fp32 copy is 32 bits per
-    weight to read. Measured on tiny-moe, 4-bit, batch 1, 2 shared EPYC cores (interleaved in-process rounds):
-    C = 0 ran at 0.91x the ms/token of C = E (all experts cached in fp32) and level with the full-precision bf16
-    experts (0.92x), and the forward thread's CPU time with C = E/2 fell 8% when the cache was never filled.
+    weight to read. Measured on tiny-moe, 4-bit, 2 shared EPYC cores: C = 0 runs at 0.89-0.94x the batch-1
+    ms/token of C = E (every expert cached in fp32; `bench/experts.py`, back to back, median of 5 rounds), level
+    with the full-precision bf16 experts at batch 1 (0.92x in an interleaved A/B) and 0.80x of them at batch 8.
     """
     return (torch.device(device).type == "cpu" and backend == "torch" and dtype == torch.float32
             and cpu_kernels_available())
@@ -1184,10 +1184,11 @@ def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) ->
     Why: on CUDA a fill runs on the worker's own stream, overlapped with the forward, so a predicted expert
     arrives at no cost to the step. On CPU a miss runs the compiled fused kernel on the packed bytes, which is
     no slower than a hit on a dequantized fp32 copy (`fused_path_runs`), so a prefetch has nothing to hide: it
-    only adds the prediction (compiled, ~0.15 ms per step on tiny-moe) and fills, each a dequantize on the
-    worker whose fp32 result the forward then reads from the other core's cache. Measured on 2 shared EPYC
-    cores, tiny-moe, 4-bit, batch 1, forward-thread CPU time vs C = E: C = E/2 without prefetch 0.99x, with
-    hybrid prefetch 1.26x (prediction alone 1.02x). A cold tier keeps the predictor everywhere: a cold miss
+    only adds the prediction (one compiled call per layer) and fills, each a dequantize into a fresh fp32 copy
+    (768 KiB per expert on tiny-moe, against ~110 KiB of packed bytes for the miss it replaces) that the forward
+    then reads. Measured by `bench/experts.py` (2 shared EPYC cores, tiny-moe, 4-bit, batch 1, C = E/2 measured
+    back to back with C = E, median of 5 rounds): without prefetch 1.12-1.16x, with hybrid prefetch 1.37-1.38x;
+    with the prediction but no fills ~1.07-1.15x (in-process A/B). A cold tier keeps the predictor everywhere: a cold miss
     makes the forward wait for a read from the checkpoint file, which a prefetched read (a copy, no
     dequantize) hides.
     """
