@@ -671,7 +671,8 @@ class PackedLayerExperts:
             self._cold_ffn(xs, ys, counts, bounds, misses)
             if self.demand_fill and self.cache.capacity:
                 self.request(misses, protect=set(used), prefetch=False)
-        elif misses and self._cffn is not None and self.tier is None and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS:
+        elif (misses and self._cffn is not None and self.tier is None
+              and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS):
             rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
             ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
                                              self._cffn)
@@ -1188,8 +1189,8 @@ def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) ->
     (768 KiB per expert on tiny-moe, against ~110 KiB of packed bytes for the miss it replaces) that the forward
     then reads. Measured by `bench/experts.py` (2 shared EPYC cores, tiny-moe, 4-bit, batch 1, C = E/2 measured
     back to back with C = E, median of 5 rounds): without prefetch 1.12-1.16x, with hybrid prefetch 1.37-1.38x;
-    with the prediction but no fills ~1.07-1.15x (in-process A/B). A cold tier keeps the predictor everywhere: a cold miss
-    makes the forward wait for a read from the checkpoint file, which a prefetched read (a copy, no
+    with the prediction but no fills ~1.07-1.15x (in-process A/B). A cold tier keeps the predictor everywhere: a
+    cold miss makes the forward wait for a read from the checkpoint file, which a prefetched read (a copy, no
     dequantize) hides.
     """
     if full:

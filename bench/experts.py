@@ -10,8 +10,8 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
     at C = E, 0, E/2, E/4 cached per layer (C = 0, every expert from its packed bytes through the fused kernel, is
-    the CPU default: `actors.expert_store.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"` (the default:
-    `actors.expert_store.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
+    the CPU default: `actors.expert_store.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"`
+    (the default: `actors.expert_store.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
     predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
     wasted prefetches and thrashing alongside.
 
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     # The slowdowns: C = E and the C = E/2 configurations measured back to back (paired), 5 rounds of 48 tokens,
     # the median of the per-round ratios: the table's medians still drift with the machine between rows
     # measured seconds apart, pairs much less.
-    pairs = [("C=E", E, "none"), ("C=E/2 auto", E // 2, "auto"), (f"C=E/2 {DEFAULT_PREDICTOR}", E // 2, DEFAULT_PREDICTOR),
-             ("C=0", 0, "none")]
+    pairs = [("C=E", E, "none"), ("C=E/2 auto", E // 2, "auto"),
+             (f"C=E/2 {DEFAULT_PREDICTOR}", E // 2, DEFAULT_PREDICTOR), ("C=0", 0, "none")]
     rr: dict[str, list[float]] = {name: [] for name, _, _ in pairs[1:]}
     for _ in range(5):
         t = {}

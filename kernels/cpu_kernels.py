@@ -418,7 +418,8 @@ static inline __attribute__((always_inline)) void packed_rows_impl(
 static void packed_rows(const float *x, long sx, long R, const uint32_t *c, long W, const uint16_t *s,
                         const uint16_t *z, long G, long gs, const uint16_t *cb, long bits, long N, long K,
                         float *y, long sy, float *xs, float *tmp) {
-    if (bits == 4 && !cb && R == 1 && gs == 64) packed_rows_impl(x, sx, 1, c, W, s, z, G, 64, 0, 4, N, K, y, sy, xs, tmp);
+    if (bits == 4 && !cb && R == 1 && gs == 64)
+        packed_rows_impl(x, sx, 1, c, W, s, z, G, 64, 0, 4, N, K, y, sy, xs, tmp);
     else if (bits == 4 && !cb && R == 1) packed_rows_impl(x, sx, 1, c, W, s, z, G, gs, 0, 4, N, K, y, sy, xs, tmp);
     else if (bits == 4 && !cb) packed_rows_impl(x, sx, R, c, W, s, z, G, gs, 0, 4, N, K, y, sy, xs, tmp);
     else if (bits == 4) packed_rows_impl(x, sx, R, c, W, s, z, G, gs, cb, 4, N, K, y, sy, xs, tmp);

@@ -232,7 +232,8 @@ def test_packed_expert_ffn_matches_dequantize_then_float64(bits, codebook, gs, D
     yb = cpu_kernels.packed_expert_ffn(x[:1], [3, 1], args)  # one token, two experts
     torch.testing.assert_close(yb[0], _swiglu64(x[:1], *dense[3])[0], atol=1e-5 * float(yb.abs().max()), rtol=1e-5)
     assert cpu_kernels.packed_expert_ffn(x[:0], [], args).shape == (0, D)
-    assert cpu_kernels.packed_expert_ffn(x[:1].expand(MAX_KERNEL_ROWS + 1, D), [0] * (MAX_KERNEL_ROWS + 1), args) is None
+    too_many = MAX_KERNEL_ROWS + 1
+    assert cpu_kernels.packed_expert_ffn(x[:1].expand(too_many, D), [0] * too_many, args) is None
     for e in range(E):
         gu, dn = args.dequantize(e)
         assert torch.equal(gu, dense[e][0]) and torch.equal(dn, dense[e][1])
