@@ -1,4 +1,6 @@
-"""Fused CPU kernels for small-batch decode: bf16-weight linear, RMSNorm, paged decode attention, expert FFNs.
+"""Fused CPU kernels for small-batch decode: bf16-weight linear, RMSNorm, paged decode attention, expert FFNs
+(bf16, fp32 and packed sub-4-bit weights), packed-weight dequantize, and the expert predictor's decode-step
+bookkeeping (Markov counts, lookahead gate, top-B).
 
 Shape legend: M = rows (tokens), K = input features, N = output features, D = hidden, I = expert intermediate,
 E = experts, R = expert rows, B = decode sequences, H = query heads, Hkv = KV heads, Dh = head_dim,
@@ -19,6 +21,12 @@ per-op overhead of eager PyTorch (a few microseconds per op, ~550 ops per token 
    paged K/V, as FlashDecoding / vLLM's paged_attention_v1 do on GPU: no gather, mask or padding), and
    `expert_ffn` (SwiGLU experts for a set of rows, or one token's K experts summed with their routing weights:
    one call instead of ~14 ops per MoE layer).
+3. Packed experts: `packed_expert_ffn` runs SwiGLU experts straight from the packed codes
+   (`kernels/packed_weights.py` layout), unpacking in registers with each group's scale and zero taken out of
+   its sum, so ~4.5 bits per weight leave memory instead of 32 for a dequantized fp32 copy; on CPU that is no
+   slower than the copy, so the engine keeps none by default (`actors.expert_store.fused_path_runs`).
+   `MarkovTables`, `GateLogprobs` and `prefetch_step` do the expert predictor's per-layer decode bookkeeping
+   (`router_service/routing/prefetch.py` formulas) in one call each, where ~40 small Python and tensor ops cost ~0.3 ms.
 
 Every kernel has a PyTorch path with the same contract, used for other dtypes and devices, large batches, or
 when the C code cannot be built; `cpu_kernels_available()` says which runs. The C source (AVX2 + FMA, one
