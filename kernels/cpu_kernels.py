@@ -26,7 +26,8 @@ per-op overhead of eager PyTorch (a few microseconds per op, ~550 ops per token 
    its sum, so ~4.5 bits per weight leave memory instead of 32 for a dequantized fp32 copy; on CPU that is no
    slower than the copy, so the engine keeps none by default (`actors.expert_store.fused_path_runs`).
    `MarkovTables`, `GateLogprobs` and `prefetch_step` do the expert predictor's per-layer decode bookkeeping
-   (`router_service/routing/prefetch.py` formulas) in one call each, where ~40 small Python and tensor ops cost ~0.3 ms.
+   (the formulas of `router_service/routing/prefetch.py`) in one call each, where ~40 small Python and tensor
+   ops cost ~0.3 ms.
 
 Every kernel has a PyTorch path with the same contract, used for other dtypes and devices, large batches, or
 when the C code cannot be built; `cpu_kernels_available()` says which runs. The C source (AVX2 + FMA, one
