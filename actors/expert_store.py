@@ -1170,7 +1170,7 @@ def fused_path_runs(device: torch.device | str, backend: str, dtype: torch.dtype
 
     There the dequantized expert cache does not pay, so `expert_cache_capacity` defaults to 0: the fused kernel
     reads ~4.5 bits per weight (4-bit, group 64) and unpacks in registers, while a cached fp32 copy is 32 bits per
-    weight to read. Measured on tiny-moe, 4-bit, 2 shared EPYC cores: C = 0 runs at 0.89-0.94x the batch-1
+    weight to read. Measured on tiny-moe, 4-bit, 2 shared EPYC cores: C = 0 runs at 0.89-1.08x (3 runs) the batch-1
     ms/token of C = E (every expert cached in fp32; `bench/experts.py`, back to back, median of 5 rounds), level
     with the full-precision bf16 experts at batch 1 (0.92x in an interleaved A/B) and 0.80x of them at batch 8.
     """

@@ -53,7 +53,7 @@ def add_engine_args(p) -> None:
                    help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="C",
                    help="experts per layer kept dequantized (unset: 0 on CPU, where the compiled kernel runs "
-                        "the packed experts faster than a dequantized copy; all elsewhere); the rest run packed")
+                        "the packed experts as fast as a dequantized copy; all elsewhere); the rest run packed")
     p.add_argument("--resident-experts", type=int, default=None, metavar="N",
                    help="packed experts per layer kept in memory (unset: all); the rest are read on demand from "
                         "the memory-mapped packed --model, for models larger than memory")
