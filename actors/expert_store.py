@@ -1279,9 +1279,12 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
             gu, dn = weights.pop(f"layers.{l}.w_gate_up"), weights.pop(f"layers.{l}.w_down")
             packed.append(quantize_local_experts(gu, dn, bits=cfg.weight_bits, group_size=cfg.weight_group_size))
     else:
-        if cfg.expert_cache_capacity is not None or cfg.prefetch not in ("none", "auto"):
-            raise ValueError(f"expert_cache_capacity={cfg.expert_cache_capacity} / prefetch={cfg.prefetch!r} need "
-                             "packed experts: set weight_bits or serve a packed checkpoint (moeray quantize)")
+        asked = [f"{k}={v!r}" for k, v, on in (
+            ("expert_cache_capacity", cfg.expert_cache_capacity, cfg.expert_cache_capacity is not None),
+            ("prefetch", cfg.prefetch, cfg.prefetch not in ("none", "auto"))) if on]
+        if asked:
+            raise ValueError(f"{' and '.join(asked)} apply to packed experts: set weight_bits or serve a packed "
+                             "checkpoint (moeray quantize)")
         return None
     capacity = cfg.expert_cache_capacity
     if capacity is None and cold is not None:

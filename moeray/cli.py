@@ -52,13 +52,16 @@ def add_engine_args(p) -> None:
     p.add_argument("--weight-bits", type=int, default=None, choices=[2, 3, 4],
                    help="pack the routed experts to this many bits at load time (a packed --model is served as is)")
     p.add_argument("--expert-cache", type=int, default=None, metavar="C",
-                   help="experts per layer kept dequantized (unset: 0 on CPU, where the compiled kernel runs "
-                        "the packed experts as fast as a dequantized copy; all elsewhere); the rest run packed")
+                   help="packed experts only: experts per layer kept dequantized, over the whole layer (split "
+                        "over the ranks; capped at E). Unset: 0 on CPU with fp32 compute, where the compiled "
+                        "kernel runs the packed experts as fast as a dequantized copy; all experts elsewhere")
     p.add_argument("--resident-experts", type=int, default=None, metavar="N",
                    help="packed experts per layer kept in memory (unset: all); the rest are read on demand from "
                         "the memory-mapped packed --model, for models larger than memory")
     p.add_argument("--prefetch", default="auto", choices=["auto", "none", "frequent", "markov", "lookahead", "hybrid"],
-                   help="expert prefetch predictor (auto: the measured best when the cache is smaller than E)")
+                   help="packed experts only: the predictor that fills the expert cache ahead of each layer. "
+                        "auto: none when the cache holds every expert, and on CPU (where prefetch measured "
+                        "slower than none); the default predictor, hybrid, on CUDA or with --resident-experts")
     p.add_argument("--kernel-backend", default="torch", choices=["torch", "triton"],
                    help="packed-expert kernels (triton on CPU needs TRITON_INTERPRET=1, set automatically)")
     p.add_argument("--gating", default="exact",
@@ -71,7 +74,26 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on a bad --gating-option."""
+    Raises ValueError on a bad --gating-option, a negative --expert-cache, --resident-experts below 1, or
+    expert-cache / prefetch flags without packed experts (checked here, before any Ray work). Warns on stderr
+    when a prefetch predictor is asked for while the expert cache is left at its CPU default of 0."""
+    if a.expert_cache is not None and a.expert_cache < 0:
+        raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
+    if a.resident_experts is not None and a.resident_experts < 1:
+        raise ValueError(f"--resident-experts={a.resident_experts} must be >= 1")
+    asked = [f for f, on in (("--expert-cache", a.expert_cache is not None),
+                             (f"--prefetch {a.prefetch}", a.prefetch not in ("auto", "none"))) if on]
+    if asked and a.weight_bits is None:
+        from actors.packed_checkpoint import is_packed_checkpoint
+
+        model = getattr(a, "model", None)
+        if model is not None and not is_packed_checkpoint(model):
+            raise ValueError(f"{' and '.join(asked)} apply to packed experts: add --weight-bits B (2, 3 or 4) or "
+                             f"serve a packed --model (moeray quantize); --model {model} is not packed")
+    if a.prefetch not in ("auto", "none") and a.expert_cache is None and a.kernel_backend == "torch":
+        print(f"moeray: warning: --prefetch {a.prefetch} without --expert-cache: on CPU the cache defaults to 0 "
+              "(packed experts run from their packed bytes), so nothing would be prefetched there; pass "
+              "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
               dtype=a.dtype)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
@@ -151,9 +173,23 @@ def cmd_generate(a) -> int:
 
 
 def print_stats(s: dict, f) -> None:
-    print("layer  tokens  expert max/mean  rank max/mean", file=f)
+    """The cluster snapshot of `--stats`: per layer the expert load balance, router thrash and, with packed
+    experts, the expert-cache hit rate and prefetch recall (the ranks' mean); per rank the packed experts'
+    predictor and totals; KV blocks."""
+    rt = s.get("routing", {})
+    extra = [k for k in ("thrash", "hit_rate", "recall") if k in rt]
+    print("layer  tokens  expert max/mean  rank max/mean" + "".join(f"  {k:>8}" for k in extra), file=f)
     for row in s["layers"]:
-        print(f"{row['layer']:>5}  {row['tokens']:>6}  {row['expert_max_mean']:>15.3f}  {row['rank_max_mean']:>13.3f}", file=f)
+        l = row["layer"]
+        cols = "".join(f"  {rt[k][l]:>8.3f}" for k in extra)
+        print(f"{l:>5}  {row['tokens']:>6}  {row['expert_max_mean']:>15.3f}  {row['rank_max_mean']:>13.3f}{cols}",
+              file=f)
+    for i, r in enumerate(s.get("ranks", [])):
+        ec = r.get("expert_cache")
+        if ec:
+            print(f"rank {i} packed experts: prefetch {ec['predictor']}, eviction {ec['policy']}, expert-cache hit "
+                  f"rate {ec['hit_rate']:.3f}, prediction recall {ec['recall']:.3f}, wasted prefetches "
+                  f"{ec['wasted_prefetch_frac']:.3f} (nan: nothing looked up / predicted / prefetched)", file=f)
     print(f"KV blocks free {s['kv_blocks_free']}/{s['kv_blocks_total']}", file=f)
 
 

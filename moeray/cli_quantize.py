@@ -146,12 +146,13 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("src", metavar="SRC", help="full-precision HF model folder")
     p.add_argument("dst", metavar="DST", help="output folder")
-    p.add_argument("--bits", type=int, default=3, choices=[2, 3, 4])
-    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    p.add_argument("--bits", type=int, default=3, choices=[2, 3, 4], help="bits per expert weight code")
+    p.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128],
+                   help="inputs per scale / zero group")
     p.add_argument("--codebook", action="store_true", help="non-uniform Lloyd-Max levels per matrix")
     p.add_argument("--no-calibrate", action="store_true", help="skip the Markov-predictor calibration run")
     p.add_argument("--calib-text", action="append", default=[], metavar="FILE",
                    help="calibration text file (repeatable; default: a standard-library source sample)")
-    p.add_argument("--calib-tokens", type=int, default=8192)
-    p.add_argument("--calib-chunk", type=int, default=256)
+    p.add_argument("--calib-tokens", type=int, default=8192, help="tokens of calibration text routed")
+    p.add_argument("--calib-chunk", type=int, default=256, help="tokens per calibration sequence")
     p.set_defaults(func=cmd_quantize)

@@ -91,3 +91,52 @@ def test_quantize_keeps_the_kv_profiles(tiny_model_dir, tmp_path):
     dst = str(tmp_path / "dst")
     write_packed_checkpoint(src, dst, bits=4, group_size=32)
     assert os.path.isfile(os.path.join(dst, "kv_profiles", "prose-3bit.json"))
+
+
+def test_generate_rejects_expert_flags_before_starting_ray(packed_dir, capsys):
+    """Bad expert-cache flags fail at the edge (exit 2, the flag named, no Ray started): a negative cache, and cache
+    or prefetch flags on a model that is not packed; a packed --model takes them. A predictor asked for with the
+    CPU default cache of 0 gets a warning."""
+    import argparse
+
+    import ray
+
+    from moeray.cli import add_engine_args, engine_kwargs
+
+    src, dst = packed_dir
+    started = ray.is_initialized()
+    assert main(["generate", "--model", src, "--weight-bits", "4", "--expert-cache", "-1", "hi"]) == 2
+    assert "--expert-cache=-1 must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "--model", src, "--expert-cache", "4", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--expert-cache apply to packed experts: add --weight-bits" in err and "prefetch" not in err
+    assert main(["generate", "--model", src, "--prefetch", "markov", "hi"]) == 2
+    assert "--prefetch markov apply to packed experts" in capsys.readouterr().err
+    assert ray.is_initialized() == started  # nothing reached the cluster
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--model", dst, "--expert-cache", "2", "--prefetch", "hybrid"]))
+    assert kw["engine_options"]["expert_cache_capacity"] == 2 and capsys.readouterr().err == ""
+    engine_kwargs(p.parse_args(["--model", dst, "--prefetch", "hybrid"]))
+    assert "without --expert-cache" in capsys.readouterr().err
+
+
+def test_stats_show_thrash_cache_and_prefetch():
+    """`--stats` prints the per-layer thrash / hit rate / recall columns and each rank's packed-expert line."""
+    import io
+
+    from moeray.cli import print_stats
+
+    nan = float("nan")
+    s = {"layers": [{"layer": 0, "tokens": 10, "expert_max_mean": 1.5, "rank_max_mean": 1.2}],
+         "routing": {"thrash": [0.625], "hit_rate": [0.0], "recall": [nan]},
+         "ranks": [{"expert_cache": {"predictor": "none", "policy": "lru", "hit_rate": 0.0, "recall": nan,
+                                     "wasted_prefetch_frac": nan}}, {}],
+         "kv_blocks_free": 3, "kv_blocks_total": 4}
+    out = io.StringIO()
+    print_stats(s, out)
+    text = out.getvalue()
+    assert "thrash  hit_rate    recall" in text and "0.625" in text
+    assert "rank 0 packed experts: prefetch none, eviction lru, expert-cache hit rate 0.000" in text
+    assert "rank 1" not in text and "KV blocks free 3/4" in text
