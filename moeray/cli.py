@@ -10,9 +10,19 @@ import sys
 from cluster.config import DEFAULT_MODEL
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` with each option's default, except an unset (None) or empty one: those help texts say what unset
+    means ("unset: ...") themselves."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default == [] or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for PROMPTs through the EP cluster",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
     p.add_argument("--ranks", type=int, default=None, help="EP ranks; unset: 2 on CPU, one per GPU on CUDA")

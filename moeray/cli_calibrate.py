@@ -17,10 +17,10 @@ from cluster.config import DEFAULT_MODEL
 
 
 def add_parser(sub) -> None:
-    import argparse
+    from moeray.cli import HelpFormatter
 
     p = sub.add_parser("calibrate", help="write a KV quantization profile for one text domain",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("out", metavar="OUT", help="profile folder (e.g. <model>/kv_profiles) or a .safetensors path")
     p.add_argument("--domain", required=True, help="profile name, e.g. prose or code")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE", help="calibration text files")

@@ -140,10 +140,10 @@ def cmd_quantize(a) -> int:
 
 
 def add_parser(sub) -> None:
-    import argparse
+    from moeray.cli import HelpFormatter
 
     p = sub.add_parser("quantize", help="write a packed sub-4-bit expert checkpoint (SRC -> DST)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("src", metavar="SRC", help="full-precision HF model folder")
     p.add_argument("dst", metavar="DST", help="output folder")
     p.add_argument("--bits", type=int, default=3, choices=[2, 3, 4], help="bits per expert weight code")

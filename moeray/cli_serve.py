@@ -17,7 +17,6 @@ a cluster, set RAY_AUTH_MODE and RAY_AUTH_TOKEN as that cluster requires.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -27,8 +26,10 @@ from cluster.config import DEFAULT_MODEL
 
 
 def add_parser(sub) -> None:
+    from moeray.cli import HelpFormatter
+
     p = sub.add_parser("serve", help="serve the model over OpenAI-style HTTP (Ray Serve) and gRPC",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=os.environ.get("MOERAY_MODEL", DEFAULT_MODEL), help="model folder (HF layout)")
     p.add_argument("--ranks", type=int, default=None, help="EP ranks (default: 2 on CPU, one per GPU)")
     p.add_argument("--host", default="127.0.0.1", help="address both servers bind")

@@ -31,10 +31,10 @@ CLUSTER_GAUGES = ("queue_depth", "sequences_running", "sequences_waiting", "requ
 
 
 def add_parser(sub) -> None:
-    import argparse
+    from moeray.cli import HelpFormatter
 
     p = sub.add_parser("top", help="live view of a running cluster's metrics (GET /metrics)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (its /metrics is polled)")
     p.add_argument("--file", default=None, help="read this saved metrics text instead of --url")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")

@@ -140,3 +140,12 @@ def test_stats_show_thrash_cache_and_prefetch():
     assert "thrash  hit_rate    recall" in text and "0.625" in text
     assert "rank 0 packed experts: prefetch none, eviction lru, expert-cache hit rate 0.000" in text
     assert "rank 1" not in text and "KV blocks free 3/4" in text
+
+
+@pytest.mark.parametrize("cmd", ["generate", "serve", "quantize", "calibrate", "top"])
+def test_help_shows_defaults_but_not_unset_ones(cmd, capsys):
+    with pytest.raises(SystemExit):
+        main([cmd, "--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: [])" not in out and "(default: False)" not in out
+    assert "(default: " in out
