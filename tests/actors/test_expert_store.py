@@ -305,3 +305,35 @@ def test_dequantize_vectorised_matches_the_formula(bits):
     assert torch.equal(dequantize(pw[1], torch.bfloat16), ref[1].to(torch.bfloat16))
     with pytest.raises(ValueError, match="out has shape"):
         dequantize(pw, out=torch.empty(5, 100))
+
+
+@pytest.mark.parametrize("predictor", ["markov", "hybrid"])
+def test_compiled_prefetch_step_equals_the_python_bookkeeping(qwen_dir, predictor, monkeypatch):
+    """The decode-step bookkeeping in one compiled call per layer (`kernels.cpu_kernels.prefetch_step`) against
+    the Python-list path (kernels off): same greedy tokens, same prediction recall / precision / thrash, and the
+    same learned Markov counts, on batches of 3 sequences decoding together."""
+    from kernels import cpu_kernels
+
+    if not cpu_kernels.cpu_kernels_available():
+        pytest.skip("no compiled CPU kernels here")
+    kw = dict(weight_bits=4, expert_cache_capacity=2, prefetch=predictor)
+    fast = make_engine(qwen_dir, **kw)
+    a = greedy(fast)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "_lib", None)
+        m.setattr(cpu_kernels, "_tried", True)
+        slow = make_engine(qwen_dir, **kw)
+        b = greedy(slow)
+        sb = slow.expert_runtime.summary()
+        cb = slow.expert_runtime.predictor
+        cb = getattr(cb, "markov", cb).counts
+    assert a == b
+    sa = fast.expert_runtime.summary()
+    ca = fast.expert_runtime.predictor
+    ca = getattr(ca, "markov", ca).counts
+    assert 0 < sa["recall"] <= 1 and 0 < sa["thrashing"] <= 1 and ca.tokens > 0
+    for k in ("recall", "precision", "thrashing"):
+        assert sa[k] == pytest.approx(sb[k], rel=1e-9), k
+    for f in ("freq", "inter", "intra"):
+        assert torch.equal(getattr(ca, f), getattr(cb, f)), f
+    assert ca.tokens == cb.tokens
