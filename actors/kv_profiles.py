@@ -134,6 +134,7 @@ def save_profile(profile: ModelKVProfile, path: str) -> tuple[str, str]:
     tensors = {f"layers.{l}.{k}": v.detach().cpu().contiguous()
                for l, p in enumerate(profile.layers) for k, v in p.to_tensors().items()}
     save_file(tensors, stem + ".safetensors", metadata={"format": FORMAT})
+    os.chmod(stem + ".safetensors", 0o644)  # safetensors writes 0600; ranks may run as another user
     bits, h, d, ok, ov = profile.layout()
     meta = {"format": FORMAT, "version": VERSION, "domain": profile.name, "bits": bits, "num_layers":
             profile.num_layers, "num_kv_heads": h, "head_dim": d, "n_outlier_k": ok, "n_outlier_v": ov,

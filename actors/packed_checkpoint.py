@@ -107,6 +107,7 @@ def write_packed_checkpoint(src: str, dst: str, *, bits: int, group_size: int = 
         if progress is not None:
             progress(1)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(os.path.join(dst, "model.safetensors"), 0o644)  # safetensors writes 0600; ranks may run as another user
     for fn in _COPY:
         if os.path.isfile(os.path.join(src, fn)):
             shutil.copyfile(os.path.join(src, fn), os.path.join(dst, fn))

@@ -33,6 +33,8 @@ def test_quantize_writes_packed_checkpoint(packed_dir, capsys):
     assert qc["effective_bits"] == pytest.approx(11 / 3)
     for f in ("config.json", "tokenizer.json", "model.safetensors", TRANSITIONS_FILE):
         assert os.path.isfile(os.path.join(dst, f)), f
+    for f in ("model.safetensors", TRANSITIONS_FILE):  # readable by ranks running as another user
+        assert os.stat(os.path.join(dst, f)).st_mode & 0o777 == 0o644, f
     names = packed_layer_names(dst)
     assert any(n.endswith("layers.0.mlp.experts.packed.gate_up.qcodes") for n in names)
     assert not any("layers.1.mlp.experts" in n for n in names)  # layer 1 is dense

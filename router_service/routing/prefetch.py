@@ -146,6 +146,7 @@ class TransitionCounts:
             md["weights"] = json.dumps(self.weights)
         save_file({"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()},
                   path, metadata=md)
+        os.chmod(path, 0o644)  # safetensors writes 0600; ranks may run as another user
 
     @classmethod
     def load(cls, path: str) -> TransitionCounts:
