@@ -973,10 +973,11 @@ class ExpertRuntime:
             look = pred.lookahead._compiled.ptrs(nl)
             if look is None or h_TD.dtype != torch.float32 or h_TD.device.type != "cpu" or h_TD.stride(-1) != 1:
                 return False
+        ids_TK = ids_TK.contiguous()  # read through its pointer here and, as the previous layer's, at the next
         ids = ids_TK.tolist()
         prev_tok = self._prev_tok_lists(l, ids)
         p_prev = self._pred.pop(l, None)
-        res = prefetch_step(tabs, l, ids_TK.contiguous(), p_prev, self._ids_t.get(self.prev_moe.get(l)), prev_tok,
+        res = prefetch_step(tabs, l, ids_TK, p_prev, self._ids_t.get(self.prev_moe.get(l)), prev_tok,
                             nl, m.alpha, MarkovPredictor._weights_list(pred, nl) if nl is not None else None,
                             None if nl is None else self._prev_tok_lists(nl, None), h_TD, look,
                             pred.lookahead.norm_eps if look is not None else 0.0, self.budget)
