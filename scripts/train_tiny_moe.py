@@ -11,9 +11,22 @@ Recipe: byte-level BPE (`tokenizers`, vocab 4096), `transformers.Qwen2MoeForCaus
 AdamW + cosine schedule, router aux-loss coefficient 0.01, fixed seed. Checkpoints every 10 minutes
 to `--work-dir`; `--resume` continues from the last one. Not run by CI.
 
+A second stage (`--init`) continues from an exported checkpoint (its weights and its tokenizer) with two
+routing terms added to the loss, both averaged over MoE layers, p_t the router softmax of token t:
+  * sequence-wise balance (`--seq-balance-coef`), the complementary sequence-wise auxiliary loss of
+    DeepSeek-V3 (arXiv 2412.19437, sec. 2.1.2): per sequence, E * sum_i f_i * P_i with f_i the share of
+    the sequence's top-k slots that go to expert i and P_i its mean router probability (1.0 = balanced).
+    The batch-wise aux loss alone balances the prose + code mix but lets each domain's windows skew.
+  * routing smoothness (`--smooth-coef`): the mean total-variation distance 0.5 * |p_t - p_(t-1)|_1
+    between consecutive tokens' router distributions, so that expert sets drift instead of flipping
+    (less router thrash; what changes is more often a near tie, which the `sticky` policy absorbs).
+
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 12000000
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft --init models/tiny-moe --tokens 1.6e6 \
+        --lr 6e-4 --seq-balance-coef 0.3 --smooth-coef 0.5
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft --init models/tiny-moe ... --export models/tiny-moe
 """
 from __future__ import annotations
 
@@ -137,13 +150,23 @@ def tokenize_stream(tok, docs):
     return torch.tensor(out, dtype=torch.int16)
 
 
-def prepare(work):
+def prepare(work, init: str | None = None):
+    """Tokenized training streams and held-out text. With `init` (a checkpoint folder) its tokenizer is
+    reused (copied into `work`); otherwise one is trained."""
+    import shutil
+
     data_path = os.path.join(work, "data.pt")
     if os.path.exists(data_path):
         return torch.load(data_path)
     train_docs, held = load_corpus(work)
     random.Random(SEED).shuffle(train_docs["code"])
-    tok = train_tokenizer(train_docs["prose"] + train_docs["code"], os.path.join(work, "tokenizer.json"))
+    if init:
+        from tokenizers import Tokenizer
+
+        shutil.copy(os.path.join(init, "tokenizer.json"), os.path.join(work, "tokenizer.json"))
+        tok = Tokenizer.from_file(os.path.join(work, "tokenizer.json"))
+    else:
+        tok = train_tokenizer(train_docs["prose"] + train_docs["code"], os.path.join(work, "tokenizer.json"))
     data = {d: tokenize_stream(tok, docs) for d, docs in train_docs.items()}
     data["heldout"] = held
     torch.save(data, data_path)
@@ -162,6 +185,79 @@ def batches(data, micro_bs, gen):
         yield torch.stack(rows)
 
 
+def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence-wise balance loss, routing smoothness) averaged over layers; see the module docstring.
+
+    router_logits: per MoE layer a [B * L, E] tensor (Hugging Face `output_router_logits`), B sequences of
+    L tokens each. Both results are 0-d float32 tensors; balance is 1.0 when every sequence's top-k slots
+    and mean probabilities are uniform over experts, smoothness is in [0, 1].
+    """
+    bal = smooth = 0.0
+    for lg in router_logits:
+        E = lg.shape[-1]
+        p = lg.float().softmax(-1).view(B, L, E)
+        top = p.topk(top_k, dim=-1).indices.view(B, L * top_k)
+        f = torch.zeros(B, E).scatter_add_(1, top, torch.ones(B, L * top_k)) / (L * top_k)
+        bal = bal + (E * (f * p.mean(1)).sum(-1)).mean()
+        smooth = smooth + 0.5 * (p[:, 1:] - p[:, :-1]).abs().sum(-1).mean()
+    n = len(router_logits)
+    return bal / n, smooth / n
+
+
+def sticky_ids(probs_BLE: torch.Tensor, ids_BLK: torch.Tensor, margin: float) -> torch.Tensor:
+    """The expert sets the serving `sticky` policy picks (the rule of router_service.routing.gating._stick:
+    each previous expert the exact top-k dropped, strongest first, replaces the weakest newly chosen expert
+    when within `margin`), token by token along each sequence, the previous token's final set carrying
+    over. Plain Python on lists: ~100x faster than torch ops on [B, E] rows for this sequential loop.
+    probs [B, L, E] float32, ids [B, L, K] int64 (exact top-k) -> [B, L, K] int64."""
+    P, out = probs_BLE.tolist(), ids_BLK.tolist()
+    for pb, ob in zip(P, out):
+        for t in range(1, len(ob)):
+            prev, new, pr = ob[t - 1], ob[t], pb[t]
+            for p in sorted(prev, key=lambda e: -pr[e]):
+                if p in new:
+                    continue
+                fresh = [j for j in range(len(new)) if new[j] not in prev]
+                if not fresh:
+                    break
+                slot = min(fresh, key=lambda j: pr[new[j]])
+                if pr[p] >= pr[new[slot]] - margin:
+                    new[slot] = p
+    return torch.tensor(out, dtype=ids_BLK.dtype)
+
+
+class StickyRouting:
+    """Routes a Hugging Face Qwen2-MoE model's MoE layers with the `sticky` policy while `on` holds
+    (batch shape (B, L) set by the caller); the router logits, and so the losses on them, are unchanged."""
+
+    def __init__(self, model, margin: float):
+        import types
+
+        import torch.nn.functional as F
+
+        self.margin, self.shape = margin, None
+        outer = self
+
+        def forward(gate, hidden_states):
+            hidden_states = hidden_states.reshape(-1, gate.hidden_dim)
+            logits = F.linear(hidden_states, gate.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            top, ids = torch.topk(probs, gate.top_k, dim=-1)
+            if outer.shape is not None:
+                B, L = outer.shape
+                with torch.no_grad():
+                    ids = sticky_ids(probs.detach().view(B, L, -1), ids.view(B, L, -1), outer.margin).view(B * L, -1)
+                top = probs.gather(1, ids)
+            if gate.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), ids
+
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "top_k"):
+                gate.forward = types.MethodType(forward, gate)
+
+
 # -------------------------------------------------------------------------------------- train
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -174,22 +270,32 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--ckpt-minutes", type=float, default=10.0)
     ap.add_argument("--export", help="write the final model in HF layout to this folder and exit")
+    ap.add_argument("--init", help="continue from this exported checkpoint (weights and tokenizer)")
+    ap.add_argument("--seq-balance-coef", type=float, default=0.0, help="sequence-wise balance loss weight")
+    ap.add_argument("--smooth-coef", type=float, default=0.0, help="routing-smoothness loss weight")
+    ap.add_argument("--sticky-frac", type=float, default=0.0,
+                    help="share of micro-batches routed with the serving `sticky` policy (0 = none)")
+    ap.add_argument("--sticky-margin", type=float, default=0.15, help="the `sticky` margin used in training")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.work_dir, exist_ok=True)
     torch.manual_seed(SEED)
-    data = prepare(args.work_dir)
+    data = prepare(args.work_dir, args.init)
 
     from transformers import Qwen2MoeForCausalLM
 
-    model = Qwen2MoeForCausalLM(model_config())
+    if args.init:
+        model = Qwen2MoeForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        model.config.output_router_logits = True
+    else:
+        model = Qwen2MoeForCausalLM(model_config())
     tokens_per_step = args.micro_bs * args.accum * CTX
     total_steps = int(math.ceil(args.tokens / tokens_per_step))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, total_steps // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))))
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED + (1 if args.init else 0))  # a second stage draws other windows
     step, log = 0, []
     ck = os.path.join(args.work_dir, "ckpt.pt")
     if (args.resume or args.export) and os.path.exists(ck):
@@ -212,16 +318,28 @@ def main():
         os.replace(tmp, ck)
 
     it = batches(data, args.micro_bs, gen)
+    sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
+    micro = step * args.accum
     model.train()
     t0 = last_ck = time.time()
     done0 = step
     while step < total_steps:
-        lsum = asum = 0.0
+        lsum = asum = bsum = ssum = 0.0
         for _ in range(args.accum):
             x = next(it)
+            if sticky is not None:  # deterministic spread: micro-batch c is sticky iff floor(c * frac) steps up
+                on = int((micro + 1) * args.sticky_frac) > int(micro * args.sticky_frac)
+                sticky.shape = (x.shape[0], x.shape[1] - 1) if on else None
+            micro += 1
             out = model(input_ids=x[:, :-1], output_router_logits=True)
             lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), x[:, 1:].flatten())
             loss = lm + model.config.router_aux_loss_coef * out.aux_loss
+            if args.seq_balance_coef or args.smooth_coef:
+                bal, smooth = routing_losses(out.router_logits, x.shape[0], x.shape[1] - 1,
+                                             model.config.num_experts_per_tok)
+                loss = loss + args.seq_balance_coef * bal + args.smooth_coef * smooth
+                bsum += bal.item() / args.accum
+                ssum += smooth.item() / args.accum
             (loss / args.accum).backward()
             lsum += lm.item() / args.accum
             asum += out.aux_loss.item() / args.accum
@@ -233,7 +351,8 @@ def main():
         log.append((step, lsum, asum))
         if step % 10 == 0 or step == total_steps:
             eta = (total_steps - step) * tokens_per_step / tps / 60
-            print(f"step {step}/{total_steps} loss {lsum:.4f} aux {asum:.4f} lr {sched.get_last_lr()[0]:.2e} "
+            extra = f"seq-balance {bsum:.4f} smooth {ssum:.4f} " if args.seq_balance_coef or args.smooth_coef else ""
+            print(f"step {step}/{total_steps} loss {lsum:.4f} aux {asum:.4f} {extra}lr {sched.get_last_lr()[0]:.2e} "
                   f"{tps:.0f} tok/s eta {eta:.1f} min", flush=True)
         if time.time() - last_ck > args.ckpt_minutes * 60 or step == total_steps:
             save(); last_ck = time.time()
@@ -254,11 +373,18 @@ def export(model, data, args, step, tokens_per_step, log):
     os.makedirs(os.path.join(out, "heldout"), exist_ok=True)
     for d, text in data["heldout"].items():
         open(os.path.join(out, "heldout", f"{d}.txt"), "w").write(text)
-    json.dump({"seed": SEED, "steps": step, "tokens": step * tokens_per_step, "context": CTX,
-               "final_loss": sum(l for _, l, _ in log[-20:]) / max(1, len(log[-20:])),
+    summary = {"seed": SEED, "steps": step, "tokens": step * tokens_per_step, "context": CTX,
+               "final_loss": sum(e[1] for e in log[-20:]) / max(1, len(log[-20:])),
                "heldout_prose": HELDOUT_PROSE, "heldout_code_packages": HELDOUT_CODE,
-               "train_tokens_available": {d: len(data[d]) for d in ("prose", "code")}},
-              open(os.path.join(out, "training_summary.json"), "w"), indent=2)
+               "train_tokens_available": {d: len(data[d]) for d in ("prose", "code")}}
+    if args.init:
+        base = os.path.join(args.init, "training_summary.json")
+        base = json.load(open(base)) if os.path.exists(base) else {}
+        base = base.get("base", base)  # re-exporting a second stage over its own init keeps the first stage
+        summary = {**summary, "lr": args.lr, "seq_balance_coef": args.seq_balance_coef,
+                   "smooth_coef": args.smooth_coef, "sticky_frac": args.sticky_frac,
+                   "sticky_margin": args.sticky_margin, "base": base}
+    json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)
 
 
