@@ -145,6 +145,10 @@ def cmd_generate(a) -> int:
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
+    empty = [i for i, p in enumerate(a.prompts, 1) if not p]
+    if empty:  # the router rejects it too, but only after Ray and the ranks are up (~15 s)
+        print(f"moeray: error: prompt {empty[0]} of {len(a.prompts)} is empty", file=sys.stderr)
+        return 2
     try:
         kw = engine_kwargs(a)
     except ValueError as e:

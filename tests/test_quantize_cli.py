@@ -114,6 +114,8 @@ def test_generate_rejects_expert_flags_before_starting_ray(packed_dir, capsys):
     assert "--expert-cache apply to packed experts: add --weight-bits" in err and "prefetch" not in err
     assert main(["generate", "--model", src, "--prefetch", "markov", "hi"]) == 2
     assert "--prefetch markov apply to packed experts" in capsys.readouterr().err
+    assert main(["generate", "--model", src, "hi", ""]) == 2
+    assert "prompt 2 of 2 is empty" in capsys.readouterr().err
     assert ray.is_initialized() == started  # nothing reached the cluster
     p = argparse.ArgumentParser()
     p.add_argument("--model")
