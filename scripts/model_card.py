@@ -66,21 +66,21 @@ def main():
     cfg = json.load(open(os.path.join(a.model, "config.json")))
     json.dump(ev, open(os.path.join(a.model, "eval.json"), "w"), indent=2)
     L = len(ev["prose"]["expert_max_mean"])
-    base = summ.get("base")  # a second, routing-aware stage (train_tiny_moe.py --init) ran over `base`
+    base = summ.get("base")  # later, routing-aware stages (train_tiny_moe.py --init) ran over `base`
     first = base or summ
+    stages = summ.get("stages") or ([{k: v for k, v in summ.items() if k != "base"}] if base else [])
     stage2_rows = stage2_recipe = ""
-    if base:
-        stage2_rows = (f"| second stage | {summ['steps']} steps, {summ['tokens']:,} tokens from the first stage's weights, lr "
-                       f"{summ['lr']:g}: sequence-wise balance loss x {summ['seq_balance_coef']:g}, routing smoothness x "
-                       f"{summ['smooth_coef']:g}, {summ['sticky_frac']:.0%} of micro-batches routed with `sticky` "
-                       f"(margin {summ['sticky_margin']:g}) |\n"
-                       f"| final training loss | {summ['final_loss']:.3f} (second stage, mean of the last 20 steps) |\n")
-        stage = (f"--init models/tiny-moe --tokens {summ['tokens']:.3g} --lr {summ['lr']:g} "
-                 f"--seq-balance-coef {summ['seq_balance_coef']:g} --smooth-coef {summ['smooth_coef']:g} "
-                 f"--sticky-frac {summ['sticky_frac']:g} --sticky-margin {summ['sticky_margin']:g}")
-        stage2_recipe = (f"# second stage, then export + calibrations + this card:\n"
-                         f"python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft {stage}\n"
-                         f"bash scripts/finalize_model.sh /tmp/tiny-moe-ft models/tiny-moe {stage}\n")
+    for i, st in enumerate(stages, 2):
+        args = (f"--init models/tiny-moe --tokens {st['tokens']:.3g} --lr {st['lr']:g} "
+                f"--seq-balance-coef {st['seq_balance_coef']:g} --smooth-coef {st['smooth_coef']:g} "
+                f"--sticky-frac {st['sticky_frac']:g} --sticky-margin {st['sticky_margin']:g}")
+        stage2_rows += (f"| stage {i} | {st['steps']} steps, {st['tokens']:,} tokens from stage {i - 1}'s weights, lr "
+                        f"{st['lr']:g}: sequence-wise balance loss x {st['seq_balance_coef']:g}, routing smoothness x "
+                        f"{st['smooth_coef']:g}, {st['sticky_frac']:.0%} of micro-batches routed with `sticky` "
+                        f"(margin {st['sticky_margin']:g}); final training loss {st['final_loss']:.3f} |\n")
+        stage2_recipe += (f"# stage {i} from the exported stage {i - 1}, then export over it + calibrations:\n"
+                          f"python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-s{i} {args}\n"
+                          f"bash scripts/finalize_model.sh /tmp/tiny-moe-s{i} models/tiny-moe {args}\n")
     rows = "\n".join(f"| {l} | {ev['prose']['expert_max_mean'][l]:.3f} | {ev['code']['expert_max_mean'][l]:.3f} |" for l in range(L))
     card = f"""# tiny-moe: the moeray default checkpoint
 
@@ -118,7 +118,7 @@ python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/
 {stage2_recipe}python scripts/model_card.py                                                      # this card
 ```
 AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1), 2% warm-up then cosine to 10%, grad clip 1.0, fp32 on CPU.
-{"The second stage adds the routing terms described in `scripts/train_tiny_moe.py` (DeepSeek-V3's sequence-wise balance loss, arXiv 2412.19437; training under the serving `sticky` policy on a share of micro-batches so that it costs little at serving time), same optimizer." if base else ""}
+{"Later stages add the routing terms described in `scripts/train_tiny_moe.py` (DeepSeek-V3's sequence-wise balance loss, arXiv 2412.19437; training under the serving `sticky` policy on a share of micro-batches so that it costs little at serving time), same optimizer; `final training loss` above is stage 1's." if base else ""}
 
 ## Evaluation (moeray, world_size 1, fp32; non-overlapping {WINDOW}-token windows)
 | domain | held-out tokens | perplexity |

@@ -298,6 +298,8 @@ def main():
     gen = torch.Generator().manual_seed(SEED + (1 if args.init else 0))  # a second stage draws other windows
     step, log = 0, []
     ck = os.path.join(args.work_dir, "ckpt.pt")
+    # what the stage starts from, read now: exporting over the init folder must not read its own summary back
+    init_summary = read_summary(args.init) if args.init else {}
     if (args.resume or args.export) and os.path.exists(ck):
         state = torch.load(ck, weights_only=False)
         model.load_state_dict(state["model"])
@@ -305,16 +307,18 @@ def main():
         sched.load_state_dict(state["sched"])
         gen.set_state(state["gen"])
         step, log = state["step"], state["log"]
+        init_summary = state.get("init_summary", init_summary)
         total_steps = state.get("total_steps", total_steps)
         print(f"resumed at step {step}/{total_steps}", flush=True)
     if args.export:
-        export(model, data, args, step, tokens_per_step, log)
+        export(model, data, args, step, tokens_per_step, log, init_summary)
         return
 
     def save():
         tmp = ck + ".tmp"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "step": step, "log": log, "total_steps": total_steps}, tmp)
+                    "gen": gen.get_state(), "step": step, "log": log, "total_steps": total_steps,
+                    "init_summary": init_summary}, tmp)
         os.replace(tmp, ck)
 
     it = batches(data, args.micro_bs, gen)
@@ -359,7 +363,21 @@ def main():
     print("training done", flush=True)
 
 
-def export(model, data, args, step, tokens_per_step, log):
+def read_summary(folder: str) -> dict:
+    path = os.path.join(folder, "training_summary.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def stage_chain(init_summary: dict) -> tuple[dict, list[dict]]:
+    """(first stage's summary, later stages in order) of the checkpoint a stage started from."""
+    if "stages" in init_summary:
+        return init_summary["base"], list(init_summary["stages"])
+    if "base" in init_summary:  # a single later stage recorded before `stages` existed
+        return init_summary["base"], [{k: v for k, v in init_summary.items() if k != "base"}]
+    return init_summary, []
+
+
+def export(model, data, args, step, tokens_per_step, log, init_summary=None):
     import shutil
 
     out = args.export
@@ -378,12 +396,11 @@ def export(model, data, args, step, tokens_per_step, log):
                "heldout_prose": HELDOUT_PROSE, "heldout_code_packages": HELDOUT_CODE,
                "train_tokens_available": {d: len(data[d]) for d in ("prose", "code")}}
     if args.init:
-        base = os.path.join(args.init, "training_summary.json")
-        base = json.load(open(base)) if os.path.exists(base) else {}
-        base = base.get("base", base)  # re-exporting a second stage over its own init keeps the first stage
-        summary = {**summary, "lr": args.lr, "seq_balance_coef": args.seq_balance_coef,
-                   "smooth_coef": args.smooth_coef, "sticky_frac": args.sticky_frac,
-                   "sticky_margin": args.sticky_margin, "base": base}
+        base, stages = stage_chain(init_summary or {})
+        this = {k: summary[k] for k in ("steps", "tokens", "final_loss")}
+        this.update(lr=args.lr, seq_balance_coef=args.seq_balance_coef, smooth_coef=args.smooth_coef,
+                    sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin)
+        summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)
 
