@@ -71,7 +71,7 @@ def main():
     stages = summ.get("stages") or ([{k: v for k, v in summ.items() if k != "base"}] if base else [])
     stage2_rows = stage2_recipe = ""
     for i, st in enumerate(stages, 2):
-        args = (f"--init models/tiny-moe --tokens {st['tokens']:.3g} --lr {st['lr']:g} "
+        args = (f"--init models/tiny-moe --tokens {st['tokens']} --lr {st['lr']:g} "
                 f"--seq-balance-coef {st['seq_balance_coef']:g} --smooth-coef {st['smooth_coef']:g} "
                 f"--sticky-frac {st['sticky_frac']:g} --sticky-margin {st['sticky_margin']:g}")
         stage2_rows += (f"| stage {i} | {st['steps']} steps, {st['tokens']:,} tokens from stage {i - 1}'s weights, lr "

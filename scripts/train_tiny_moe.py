@@ -11,22 +11,26 @@ Recipe: byte-level BPE (`tokenizers`, vocab 4096), `transformers.Qwen2MoeForCaus
 AdamW + cosine schedule, router aux-loss coefficient 0.01, fixed seed. Checkpoints every 10 minutes
 to `--work-dir`; `--resume` continues from the last one. Not run by CI.
 
-A second stage (`--init`) continues from an exported checkpoint (its weights and its tokenizer) with two
-routing terms added to the loss, both averaged over MoE layers, p_t the router softmax of token t:
+A later stage (`--init`) continues from an exported checkpoint (its weights and its tokenizer) with routing
+terms added to the loss, averaged over MoE layers, p_t the router softmax of token t:
   * sequence-wise balance (`--seq-balance-coef`), the complementary sequence-wise auxiliary loss of
     DeepSeek-V3 (arXiv 2412.19437, sec. 2.1.2): per sequence, E * sum_i f_i * P_i with f_i the share of
     the sequence's top-k slots that go to expert i and P_i its mean router probability (1.0 = balanced).
     The batch-wise aux loss alone balances the prose + code mix but lets each domain's windows skew.
   * routing smoothness (`--smooth-coef`): the mean total-variation distance 0.5 * |p_t - p_(t-1)|_1
-    between consecutive tokens' router distributions, so that expert sets drift instead of flipping
-    (less router thrash; what changes is more often a near tie, which the `sticky` policy absorbs).
+    between consecutive tokens' router distributions. Measured worse (BENCHMARKS.md, gating): thrash of
+    the top-k barely moves while perplexity rises; kept as a knob, off by default.
+  * sticky routing (`--sticky-frac F --sticky-margin M`): a share F of the micro-batches is routed with
+    the serving `sticky` rule (router_service.routing.gating), so that the policy costs less when served;
+    the other micro-batches keep the model's own top-k, which stays the `exact` reference.
 
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 12000000
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
-    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft --init models/tiny-moe --tokens 1.6e6 \
-        --lr 6e-4 --seq-balance-coef 0.3 --smooth-coef 0.5
-    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-ft --init models/tiny-moe ... --export models/tiny-moe
+    python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-s2 --init models/tiny-moe --tokens 1.6e6 \
+        --lr 6e-4 --seq-balance-coef 1.0 --sticky-frac 0.5 --sticky-margin 0.25
+    bash scripts/finalize_model.sh /tmp/tiny-moe-s2 models/tiny-moe --init models/tiny-moe --tokens 1.6e6 \
+        --lr 6e-4 --seq-balance-coef 1.0 --sticky-frac 0.5 --sticky-margin 0.25   # export + calibrations
 """
 from __future__ import annotations
 
@@ -227,8 +231,9 @@ def sticky_ids(probs_BLE: torch.Tensor, ids_BLK: torch.Tensor, margin: float) ->
 
 
 class StickyRouting:
-    """Routes a Hugging Face Qwen2-MoE model's MoE layers with the `sticky` policy while `on` holds
-    (batch shape (B, L) set by the caller); the router logits, and so the losses on them, are unchanged."""
+    """Routes a Hugging Face Qwen2-MoE model's MoE layers with the `sticky` policy while `shape` is set
+    (the micro-batch's (B, L), by the caller; None = the model's own top-k). The router logits, and so
+    the losses on them, are unchanged; only the expert ids and their weights differ."""
 
     def __init__(self, model, margin: float):
         import types
@@ -295,11 +300,12 @@ def main():
     warm = max(1, total_steps // 50)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total_steps)))))
-    gen = torch.Generator().manual_seed(SEED + (1 if args.init else 0))  # a second stage draws other windows
-    step, log = 0, []
-    ck = os.path.join(args.work_dir, "ckpt.pt")
     # what the stage starts from, read now: exporting over the init folder must not read its own summary back
     init_summary = read_summary(args.init) if args.init else {}
+    stage = 1 + len(stage_chain(init_summary)[1]) if args.init else 0
+    gen = torch.Generator().manual_seed(SEED + stage)  # each stage draws other windows
+    step, log = 0, []
+    ck = os.path.join(args.work_dir, "ckpt.pt")
     if (args.resume or args.export) and os.path.exists(ck):
         state = torch.load(ck, weights_only=False)
         model.load_state_dict(state["model"])
