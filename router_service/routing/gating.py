@@ -486,27 +486,39 @@ class GatingRouter:
         T, dev = logits.shape[0], logits.device
         slots, pos, prev_row = batch.slots_T, batch.positions_T, batch.prev_row_T
         xf = x.float()
-        # cosine distance to the predecessor's input: in this step if there, else the stored one
-        prev_x = st.inputs()[slots, layer]  # advanced indexing: a copy
-        inside = prev_row >= 0
-        prev_x[inside] = xf[prev_row[inside]]
-        dist = 1 - torch.cosine_similarity(xf, prev_x, dim=-1)
-        dist = torch.where(pos > 0, dist, torch.full_like(dist, float("nan")))
-        # v_t = beta * v_(t-1) + (1 - beta) * d_t, walked in waves (a row's predecessor is in the wave before)
-        vel = torch.full((T,), float("nan"), device=dev)
-        stored = st.velocity[slots, layer]
-        for wv in batch.wave_list():
-            pr = prev_row[wv]
-            base = torch.where(pr >= 0, vel[pr.clamp(min=0)], stored[wv])
-            base = torch.where(pos[wv] == 0, torch.full_like(base, float("nan")), base)
-            d = dist[wv]
-            vel[wv] = torch.where(torch.isnan(base), d, cfg.velocity_beta * base + (1 - cfg.velocity_beta) * d)
-        st.velocity[slots[batch.last_rows], layer] = vel[batch.last_rows]
+        beta = cfg.velocity_beta
+        if not batch.has_inner:
+            # every row's predecessor is stored (a decode step): one wave, no in-step predecessors, and the
+            # last row of each sequence is every row; same values as the general path below, fewer ops
+            dist = 1 - torch.cosine_similarity(xf, st.inputs()[slots, layer], dim=-1)
+            dist = torch.where(batch.fresh_T, torch.full_like(dist, float("nan")), dist)
+            base = st.velocity[slots, layer]  # nan when unset; a fresh row's dist is nan, so its v is too
+            vel = torch.where(torch.isnan(base), dist, beta * base + (1 - beta) * dist)
+            st.velocity[slots, layer] = vel
+        else:
+            # cosine distance to the predecessor's input: in this step if there, else the stored one
+            prev_x = st.inputs()[slots, layer]  # advanced indexing: a copy
+            inside = prev_row >= 0
+            prev_x[inside] = xf[prev_row[inside]]
+            dist = 1 - torch.cosine_similarity(xf, prev_x, dim=-1)
+            dist = torch.where(pos > 0, dist, torch.full_like(dist, float("nan")))
+            # v_t = beta * v_(t-1) + (1 - beta) * d_t, walked in waves (a row's predecessor is in the wave before)
+            vel = torch.full((T,), float("nan"), device=dev)
+            stored = st.velocity[slots, layer]
+            for wv in batch.wave_list():
+                pr = prev_row[wv]
+                base = torch.where(pr >= 0, vel[pr.clamp(min=0)], stored[wv])
+                base = torch.where(pos[wv] == 0, torch.full_like(base, float("nan")), base)
+                d = dist[wv]
+                vel[wv] = torch.where(torch.isnan(base), d, beta * base + (1 - beta) * d)
+            st.velocity[slots[batch.last_rows], layer] = vel[batch.last_rows]
         # the rule (module docstring); a token with no history yet (nan) counts as neither fast nor slow
         w, ids = select_experts_ref(logits, self.K, self.renorm)
         fast = torch.nan_to_num(vel, nan=-1.0) >= cfg.velocity_fast
         slow = torch.nan_to_num(vel, nan=float("inf")) <= cfg.velocity_slow
         kv, tiny = cfg.velocity_k, torch.finfo(torch.float32).tiny
+        if T and not bool((fast | slow).any()):  # most tokens: exact top-k, the shared expert unscaled
+            return Routing(weights=w, ids=ids)
         if kv < self.K:
             drop = (fast | slow)[:, None] & (torch.arange(self.K, device=dev) >= kv)[None, :]
             kept = torch.where(drop, torch.zeros_like(w), w)
