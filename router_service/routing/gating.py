@@ -535,6 +535,11 @@ class GatingRouter:
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
         ids = torch.topk(probs, K, dim=-1).indices
         stored = self.state.prev_ids[batch.slots_T, layer, :K]
+        if not batch.has_inner and 0 < T <= _STICK_LIST_ROWS:
+            # a decode step: every row's predecessor is stored; the rule on Python lists beats ~30 tiny ops
+            prev = torch.where(batch.fresh_T[:, None], torch.full_like(stored, -1), stored)
+            ids = _stick_lists(probs.tolist(), ids.tolist(), prev.tolist(), self.cfg.sticky_margin, ids.device)
+            return Routing(weights=_renorm(probs.gather(1, ids), self.renorm), ids=ids)
         for wv in batch.wave_list():
             pr = batch.prev_row_T[wv]
             prev = torch.where((pr >= 0)[:, None], ids[pr.clamp(min=0)], stored[wv])
@@ -553,6 +558,26 @@ class GatingRouter:
                 "experts_per_token": int(self.experts_used) / routed if routed else float("nan")}
 
 
+_STICK_LIST_ROWS = 32  # decode rows up to which `_stick_lists` runs instead of the tensor ops of `_stick`
+
+
+def _stick_lists(probs: list, new: list, prev: list, margin: float, device) -> torch.Tensor:
+    """`_stick` on Python lists (rows [N][E] probabilities, [N][K] chosen ids, [N][K] previous ids with -1 =
+    none): the same rule and the same tie order (previous experts by descending score, stable). Returns
+    [N, K] int64 on `device`."""
+    for pr, nw, pv in zip(probs, new, prev):
+        for p in sorted((e for e in pv if e >= 0), key=lambda e: -pr[e]):
+            if p in nw:
+                continue
+            fresh = [j for j in range(len(nw)) if nw[j] not in pv]
+            if not fresh:
+                break
+            slot = min(fresh, key=lambda j: pr[nw[j]])
+            if pr[p] >= pr[nw[slot]] - margin:
+                nw[slot] = p
+    return torch.tensor(new, dtype=torch.int64, device=device).view(len(new), -1)
+
+
 def _stick(probs_NE: torch.Tensor, new_NK: torch.Tensor, prev_NK: torch.Tensor, margin: float) -> torch.Tensor:
     """Replace newly chosen experts by previous ones that score within `margin` (see module docstring)."""
     new = new_NK.clone()
@@ -562,7 +587,7 @@ def _stick(probs_NE: torch.Tensor, new_NK: torch.Tensor, prev_NK: torch.Tensor, 
     rows = torch.arange(N, device=new.device)
     # previous experts in descending score order
     pscore = torch.where(prev_NK >= 0, probs_NE.gather(1, prev_NK.clamp(min=0)), torch.full(prev_NK.shape, -1.0, device=new.device))
-    porder = torch.argsort(pscore, dim=1, descending=True)
+    porder = torch.argsort(pscore, dim=1, descending=True, stable=True)  # ties: previous order (`_stick_lists`)
     for j in range(prev_NK.shape[1]):
         p = prev_NK.gather(1, porder[:, j : j + 1]).squeeze(1)
         ps = pscore.gather(1, porder[:, j : j + 1]).squeeze(1)

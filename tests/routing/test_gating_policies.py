@@ -172,3 +172,24 @@ def test_config_errors_name_the_field():
         GatingConfig.from_options("exact", {"margin": 1})
     with pytest.raises(ValueError, match="velocity_k=3"):
         make_router("velocity", velocity_k=3)
+
+
+def test_sticky_list_path_equals_tensor_rule_with_ties_and_missing_previous():
+    """The decode path's `_stick_lists` and the prefill path's `_stick` pick the same ids in the same order,
+    including all-tie rows (uniform scores) and rows without a previous token (-1)."""
+    from router_service.routing.gating import _stick, _stick_lists
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        N, k = 1 + trial % 6, 2
+        logits = torch.randn(N, E, generator=g) * (0.1, 1.0, 3.0)[trial % 3]
+        if trial % 7 == 0:
+            logits[0] = 0.0
+        probs = logits.softmax(-1)
+        new = probs.topk(k, -1).indices
+        prev = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(N)])
+        if trial % 5 == 0:
+            prev[0] = -1
+        margin = (0.0, 0.05, 0.15, 0.3, 1.0)[trial % 5]
+        want = _stick(probs, new, prev, margin)
+        assert torch.equal(_stick_lists(probs.tolist(), new.tolist(), prev.tolist(), margin, "cpu"), want), trial
