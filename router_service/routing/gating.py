@@ -563,7 +563,8 @@ _STICK_LIST_ROWS = 32  # decode rows up to which `_stick_lists` runs instead of 
 
 def _stick_lists(probs: list, new: list, prev: list, margin: float, device) -> torch.Tensor:
     """`_stick` on Python lists (rows [N][E] probabilities, [N][K] chosen ids, [N][K] previous ids with -1 =
-    none): the same rule and the same tie order (previous experts by descending score, stable). Returns
+    none): the same rule and the same tie order (previous experts by descending score, stable). Updates
+    the rows of `new` in place (the training recipe's sticky routing relies on it) and returns them as
     [N, K] int64 on `device`."""
     for pr, nw, pv in zip(probs, new, prev):
         for p in sorted((e for e in pv if e >= 0), key=lambda e: -pr[e]):
