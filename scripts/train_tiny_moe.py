@@ -210,14 +210,14 @@ def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Ten
 
 def sticky_ids(probs_BLE: torch.Tensor, ids_BLK: torch.Tensor, margin: float) -> torch.Tensor:
     """The expert sets the serving `sticky` policy picks, token by token along each sequence, the previous
-    token's final set carrying over: the serving rule itself (router_service.routing.gating._stick_lists,
+    token's final set carrying over: the serving rule itself (router_service.routing.gating._stick_rows,
     on Python lists: ~100x faster than tensor ops on [B, E] rows for this sequential loop).
     probs [B, L, E] float32, ids [B, L, K] int64 (exact top-k) -> [B, L, K] int64."""
-    from router_service.routing.gating import _stick_lists
+    from router_service.routing.gating import _stick_rows
 
     P, out = probs_BLE.tolist(), ids_BLK.tolist()
-    for t in range(1, len(out[0]) if out else 0):  # _stick_lists updates each row's new set in place
-        _stick_lists([pb[t] for pb in P], [ob[t] for ob in out], [ob[t - 1] for ob in out], margin, "cpu")
+    for t in range(1, len(out[0]) if out else 0):  # updates each row's token-t set in place
+        _stick_rows([pb[t] for pb in P], [ob[t] for ob in out], [ob[t - 1] for ob in out], margin)
     return torch.tensor(out, dtype=ids_BLK.dtype)
 
 

@@ -561,11 +561,10 @@ class GatingRouter:
 _STICK_LIST_ROWS = 32  # decode rows up to which `_stick_lists` runs instead of the tensor ops of `_stick`
 
 
-def _stick_lists(probs: list, new: list, prev: list, margin: float, device) -> torch.Tensor:
+def _stick_rows(probs: list, new: list, prev: list, margin: float) -> None:
     """`_stick` on Python lists (rows [N][E] probabilities, [N][K] chosen ids, [N][K] previous ids with -1 =
-    none): the same rule and the same tie order (previous experts by descending score, stable). Updates
-    the rows of `new` in place (the training recipe's sticky routing relies on it) and returns them as
-    [N, K] int64 on `device`."""
+    none), updating the rows of `new` in place: the same rule and the same tie order (previous experts by
+    descending score, stable)."""
     for pr, nw, pv in zip(probs, new, prev):
         for p in sorted((e for e in pv if e >= 0), key=lambda e: -pr[e]):
             if p in nw:
@@ -576,6 +575,11 @@ def _stick_lists(probs: list, new: list, prev: list, margin: float, device) -> t
             slot = min(fresh, key=lambda j: pr[nw[j]])
             if pr[p] >= pr[nw[slot]] - margin:
                 nw[slot] = p
+
+
+def _stick_lists(probs: list, new: list, prev: list, margin: float, device) -> torch.Tensor:
+    """`_stick_rows`, returning the chosen ids as [N, K] int64 on `device` (N >= 1)."""
+    _stick_rows(probs, new, prev, margin)
     return torch.tensor(new, dtype=torch.int64, device=device).view(len(new), -1)
 
 
