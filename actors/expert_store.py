@@ -73,6 +73,7 @@ from router_service.routing.prefetch import (
     MarkovPredictor,
     RoutingTrace,
     TransitionCounts,
+    fit_lookahead_gates,
     fit_loglinear,
     make_predictor,
 )
@@ -1350,17 +1351,22 @@ def transitions_from_traces(traces: list[RoutingTrace], num_layers: int, num_exp
 
 def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = None,
               meta: dict | None = None) -> TransitionCounts:
-    """Calibration run: route `token_chunks` through the model, count expert transitions and fit the Markov /
-    hybrid predictors' log-linear weights on them (`fit_loglinear`, block-prequential); optionally save both
-    (`out_path`, usually `<model>/expert_transitions.safetensors`)."""
+    """Calibration run: route `token_chunks` through the model, count expert transitions, fit the lookahead
+    gates (`fit_lookahead_gates`) and then the Markov / hybrid predictors' log-linear weights on them
+    (`fit_loglinear`, block-prequential, with the fitted lookahead); optionally save all three (`out_path`,
+    usually `<model>/expert_transitions.safetensors`)."""
     mc = engine.model.cfg
     traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
     w = engine.model.w
-    look = LookaheadPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers,
-                              gate_weights=[w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)],
-                              norm_weights=[w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)],
-                              norm_eps=mc.rms_norm_eps)
+    gates = [w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
+    gates = [g.float() if g is not None and mc.moe_layers[l] else None for l, g in enumerate(gates)]
+    norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
+    counts.lookahead_gates = fit_lookahead_gates(traces, gates, norms, mc.rms_norm_eps) or None
+    fitted = [counts.lookahead_gates.get(l, g) if counts.lookahead_gates and g is not None else g
+              for l, g in enumerate(gates)]
+    look = LookaheadPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers, gate_weights=fitted,
+                              norm_weights=norms, norm_eps=mc.rms_norm_eps)
     counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look)
     if out_path:
         counts.save(out_path, meta)

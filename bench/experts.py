@@ -4,8 +4,9 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
  1. Held-out perplexity per domain (prose, code) with the routed experts at full precision and packed at 4, 3,
     2 bits, uniform grid vs Lloyd-Max codebook, with effective bits per weight (scales, zeros, codebooks counted).
  2. Prequential recall and precision of each expert predictor (budget k + 1 per token) on held-out text of both
-    domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead,
-    hybrid. The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
+    domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead
+    (with the fitted lookahead gates of the transitions file when it has them; "lookahead (gate)": the
+    routers' own gates), hybrid. The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
     calibration run here on training text (standard-library code outside the held-out packages, and prose
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
@@ -244,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     gates = [eng.model.w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
     norms = [eng.model.w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
     kinds = {"frequent": ("frequent", counts), "markov": ("markov", counts), "markov (unseeded)": ("markov", None),
-             "lookahead": ("lookahead", None), "hybrid": ("hybrid", counts)}
+             "lookahead": ("lookahead", counts), "hybrid": ("hybrid", counts)}
+    if counts is not None and counts.lookahead_gates:  # "lookahead" uses the fitted gates; this row the routers'
+        kinds = {**{k: v for k, v in kinds.items() if k != "hybrid"}, "lookahead (gate)": ("lookahead", None),
+                 "hybrid": kinds["hybrid"]}
     recall: dict[str, dict[str, float]] = {k: {} for k in kinds}
     prec: dict[str, dict[str, float]] = {k: {} for k in kinds}
     for d in data:

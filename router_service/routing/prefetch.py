@@ -22,7 +22,9 @@ routed at that layer, and the predictor learns from the truth right after):
               arXiv 2410.22134 and "Exploiting inter-layer expert affinity" arXiv 2401.08383 report these
               chains are strongly non-uniform; the layer-to-layer chain is the one ExFlow uses).
   lookahead - the next layer's gate applied to the current hidden state (mixtral-offloading, Eliseev &
-              Mazur 2023, arXiv 2312.17238: hidden states change little between adjacent layers).
+              Mazur 2023, arXiv 2312.17238: hidden states change little between adjacent layers); where the
+              calibration file carries fitted lookahead gates (`fit_lookahead_gates`: a least-squares pre-gate,
+              after Pre-gated MoE, Hwang et al. 2024, arXiv 2308.12066), those replace the next layer's gate.
   hybrid    - markov and lookahead in one log-linear model (a product of experts), weights fitted per layer.
 """
 from __future__ import annotations
@@ -89,6 +91,8 @@ class TransitionCounts:
     tokens: tokens observed (at any one layer).
     weights: log-linear weights fitted on the calibration run (`fit_loglinear`): predictor name ("markov",
         "hybrid") -> per layer a list of floats; saved in the file's metadata; None when not fitted.
+    lookahead_gates: fitted lookahead gates (`fit_lookahead_gates`): MoE layer -> `[E, D]` float32, used by
+        the lookahead (and hybrid) predictor in place of that layer's router weights; None when not fitted.
     Raises (in `__post_init__`): ValueError naming a field whose shape disagrees with `freq`.
     """
 
@@ -97,12 +101,16 @@ class TransitionCounts:
     freq: torch.Tensor
     tokens: int = 0
     weights: dict | None = None
+    lookahead_gates: dict[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         L, E = self.freq.shape
         for name in ("inter", "intra"):
             if tuple(getattr(self, name).shape) != (L, E, E):
                 raise ValueError(f"{name}.shape={tuple(getattr(self, name).shape)}, expected {(L, E, E)}")
+        for l, g in (self.lookahead_gates or {}).items():
+            if not 0 <= l < L or g.dim() != 2 or g.shape[0] != E:
+                raise ValueError(f"lookahead_gates[{l}].shape={tuple(g.shape)}: expected layer in [0, {L}) and [E={E}, D]")
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> TransitionCounts:
@@ -121,7 +129,7 @@ class TransitionCounts:
 
     def clone(self) -> TransitionCounts:
         return TransitionCounts(inter=self.inter.clone(), intra=self.intra.clone(), freq=self.freq.clone(),
-                                tokens=self.tokens, weights=self.weights)
+                                tokens=self.tokens, weights=self.weights, lookahead_gates=self.lookahead_gates)
 
     def observe(self, layer: int, ids_TK: torch.Tensor, prev_layer_ids_TK: torch.Tensor | None,
                 prev_token_ids_TK: torch.Tensor | None) -> None:
@@ -137,15 +145,18 @@ class TransitionCounts:
             self.tokens += ids_TK.shape[0]  # counted once per token: at the first layer that routes
 
     def save(self, path: str, meta: dict | None = None) -> None:
-        """Write a safetensors file (counts + json metadata: layers, experts, tokens, fitted weights, `meta`)."""
+        """Write a safetensors file (counts, fitted lookahead gates as `lookahead_gate.<layer>`, and json metadata:
+        layers, experts, tokens, fitted weights, `meta`)."""
         from safetensors.torch import save_file
 
         md = {"num_layers": str(self.num_layers), "num_experts": str(self.num_experts), "tokens": str(self.tokens),
               "meta": json.dumps(meta or {})}
         if self.weights:
             md["weights"] = json.dumps(self.weights)
-        save_file({"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()},
-                  path, metadata=md)
+        tensors = {"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()}
+        for l, g in (self.lookahead_gates or {}).items():
+            tensors[f"lookahead_gate.{l}"] = g.detach().float().contiguous()
+        save_file(tensors, path, metadata=md)
         os.chmod(path, 0o644)  # safetensors writes 0600; ranks may run as another user
 
     @classmethod
@@ -158,8 +169,9 @@ class TransitionCounts:
         with safe_open(path, "pt") as f:
             md = f.metadata() or {}
             t = {k: f.get_tensor(k).double() for k in ("inter", "intra", "freq")}
+            gates = {int(k.split(".")[1]): f.get_tensor(k).float() for k in f.keys() if k.startswith("lookahead_gate.")}
         w = json.loads(md["weights"]) if "weights" in md else None
-        return cls(**t, tokens=int(md.get("tokens", 0)), weights=w)
+        return cls(**t, tokens=int(md.get("tokens", 0)), weights=w, lookahead_gates=gates or None)
 
 
 # Log-linear weights used when the calibration file has none: naive Bayes over the previous layer's set (1.0),
@@ -621,7 +633,8 @@ class HybridPredictor(ExpertPredictor):
 def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None,
                    counts: TransitionCounts | None = None, gate_weights: list | None = None,
                    norm_weights: list | None = None, norm_eps: float = 1e-6) -> ExpertPredictor:
-    """Build a predictor by name (one of PREDICTORS).
+    """Build a predictor by name (one of PREDICTORS). Where `counts` carries fitted lookahead gates
+    (`fit_lookahead_gates`), lookahead and hybrid use them in place of the routers' `gate_weights`.
 
     Raises:
         ValueError: unknown `name`, or lookahead / hybrid without `gate_weights`.
@@ -636,6 +649,8 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
     if name in ("lookahead", "hybrid"):
         if gate_weights is None:
             raise ValueError(f"prefetch={name!r} needs the routers' gate_weights")
+        if counts is not None and counts.lookahead_gates:
+            gate_weights = [counts.lookahead_gates.get(l, g) if g is not None else None for l, g in enumerate(gate_weights)]
         look = LookaheadPredictor(**kw, gate_weights=gate_weights, norm_weights=norm_weights, norm_eps=norm_eps)
         return look if name == "lookahead" else HybridPredictor(MarkovPredictor(**kw, counts=counts), look,
                                                                 counts=counts)
@@ -684,6 +699,58 @@ def prequential_eval(predictors: dict[str, ExpertPredictor], traces: list[Routin
                         pred = p.predict(l, prev_layer, prev_tok, hidden, 1, budget)
                         out[name].add_prediction(l, pred, true, p.num_experts)
                     p.observe(l, true, prev_layer, prev_tok)
+    return out
+
+
+LOOKAHEAD_RIDGE = 10.0  # ridge of `fit_lookahead_gates`; on tiny-moe held-out recall is flat over 1-100
+
+
+def fit_lookahead_gates(traces: list[RoutingTrace], gate_weights: list, norm_weights: list | None = None,
+                        norm_eps: float = 1e-6, *, ridge: float = LOOKAHEAD_RIDGE) -> dict[int, torch.Tensor]:
+    """Fit, per MoE layer l after the first, a linear pre-gate G_l `[E, D]` that maps the hidden state the
+    lookahead sees (the residual entering the previous MoE layer's FFN) to layer l's router log-probabilities:
+
+        G_l = argmin_G sum_t || x_t G^T - log softmax(gate_l(n_l(h_t^l))) ||^2 + ridge * ||G||^2,
+        x_t = n_l(h_t^(l_prev)),  n_l = RMSNorm with layer l's post-attention norm weight,
+
+    solved in closed form (ridge regression). The raw lookahead uses G_l = gate_l, which ignores what layer
+    l_prev's FFN and layer l's attention add to the residual; the fit learns that map on calibration text (the
+    pre-gate of Pre-gated MoE, Hwang et al. 2024, arXiv 2308.12066, fitted here without training the model).
+    Measured on tiny-moe (bench/experts.py): see BENCHMARKS.md, issue 4.
+
+    Args:
+        traces: calibration sequences with hidden states (`RoutingTrace.hidden` `[T, L, D]`), training text only.
+        gate_weights: per layer `[E, D]` router weights (None for dense layers). norm_weights: per layer `[D]`
+            post-attention RMSNorm weights (None: none). ridge: L2 penalty (>= 0).
+    Returns:
+        {layer: `[E, D]` float32} for every MoE layer with a previous MoE layer ({} without hidden states).
+    Raises:
+        ValueError: ridge < 0.
+    """
+    if ridge < 0:
+        raise ValueError(f"ridge={ridge} must be >= 0")
+    L = len(gate_weights)
+    norms = list(norm_weights or [None] * L)
+
+    def rms(h: torch.Tensor, l: int) -> torch.Tensor:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)
+        return h * norms[l].float() if norms[l] is not None else h
+
+    moe = [l for l in range(L) if gate_weights[l] is not None]
+    xtx: dict[int, torch.Tensor] = {}
+    xty: dict[int, torch.Tensor] = {}
+    for tr in traces:
+        if tr.hidden is None:
+            continue
+        for pl, l in zip(moe, moe[1:]):
+            x = rms(tr.hidden[:, pl].double(), l)
+            y = torch.log_softmax(rms(tr.hidden[:, l].double(), l) @ gate_weights[l].double().T, dim=-1)
+            xtx[l] = xtx.get(l, 0) + x.T @ x
+            xty[l] = xty.get(l, 0) + x.T @ y
+    out = {}
+    for l, a in xtx.items():
+        eye = torch.eye(a.shape[0], dtype=a.dtype)
+        out[l] = torch.linalg.solve(a + ridge * eye, xty[l]).T.float().contiguous()
     return out
 
 

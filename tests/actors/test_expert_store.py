@@ -202,6 +202,14 @@ def test_calibration_seeds_the_predictor(qwen_dir, tmp_path):
     assert counts.tokens == 57 + 40 and counts.inter[2].sum() == 97 * 4  # K * K pairs per token, 0 -> 2
     seeded = make_engine(dst, expert_cache_capacity=2, prefetch="markov")
     assert torch.equal(seeded.expert_runtime.predictor.counts.freq, counts.freq)
+    # the fitted lookahead gates: one [E, D] per MoE layer after the first, used by the served hybrid predictor
+    mc = eng.model.cfg
+    moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
+    assert sorted(counts.lookahead_gates) == moe[1:]
+    assert all(g.shape == (mc.num_experts, mc.hidden_size) for g in counts.lookahead_gates.values())
+    hybrid = make_engine(dst, expert_cache_capacity=2, prefetch="hybrid").expert_runtime.predictor
+    for l, g in counts.lookahead_gates.items():
+        assert torch.equal(hybrid.lookahead.gate[l], g)
 
 
 def test_config_errors(qwen_dir):
