@@ -11,8 +11,8 @@ do when a rank serves them. Per policy and domain:
 - rank max/mean with 2 and 4 ranks (contiguous expert placement; rank load = sum of its experts' counts);
 - thrash: mean Jaccard distance between consecutive tokens' expert sets (router_service.routing.stats);
 - experts/token: routed experts used per token (dynamic and velocity vary it);
-- recall: prequential recall of the default prefetch predictor (seeded from the model's transition counts)
-  on the policy's routing, budget k + 1;
+- recall: prequential recall of the default prefetch predictor (seeded from the model's transition counts,
+  with the hidden states its lookahead term reads) on the policy's routing, budget k + 1;
 - decode ms/token: median batch-1 decode step time with the policy (noisy on a shared machine: compare
   within a run).
 
@@ -52,19 +52,28 @@ def new_router(eng: RankEngine, gcfg: GatingConfig) -> GatingRouter:
                         has_shared_expert=mc.has_shared_expert)
 
 
-def run_policy(eng: RankEngine, seqs: list[list[int]], width: int) -> tuple[float, torch.Tensor]:
-    """(mean NLL in nats, routing ids [N, L, width] of every token in order, -1 padded)."""
+def run_policy(eng: RankEngine, seqs: list[list[int]], width: int,
+               hidden: list | None = None) -> tuple[float, torch.Tensor]:
+    """(mean NLL in nats, routing ids [N, L, width] of every token in order, -1 padded). With `hidden` (a list),
+    appends per sequence the residual entering each layer's FFN, [T, L, D] fp32 (what lookahead prefetch sees)."""
     mc = eng.model_cfg
     cur: dict[int, torch.Tensor] = {}
+    hid: dict[int, torch.Tensor] = {}
 
     def on_route(l, ids):
         cur[l] = ids.cpu()
 
+    def on_hidden(l, h):
+        hid[l] = h.detach().float().cpu()
+
     eng.model.on_route = on_route
+    if hidden is not None:
+        eng.model.on_hidden = on_hidden
     tot, n, traces = 0.0, 0, []
     try:
         for s in seqs:
             cur.clear()
+            hid.clear()
             logits = eng.prompt_logits(s)[:-1]
             tot += float(torch.nn.functional.cross_entropy(logits, torch.tensor(s[1:]), reduction="sum"))
             n += len(s) - 1
@@ -72,8 +81,14 @@ def run_policy(eng: RankEngine, seqs: list[list[int]], width: int) -> tuple[floa
             for l, t in cur.items():
                 ids[:, l, : t.shape[1]] = t
             traces.append(ids)
+            if hidden is not None:
+                h = torch.zeros(len(s), mc.num_layers, mc.hidden_size)
+                for l, t in hid.items():
+                    h[:, l] = t
+                hidden.append(h)
     finally:
         eng.model.on_route = None
+        eng.model.on_hidden = None
     return tot / n, torch.cat(traces)
 
 
@@ -157,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         for d, seqs in data.items():
             eng.model.gating_router = router = new_router(eng, gcfg)
             width = max(router.k_max, K)
-            nll, ids = run_policy(eng, seqs, width)
+            hid: list[torch.Tensor] = []
+            nll, ids = run_policy(eng, seqs, width, hid)
             r["nll"][d] = nll
             r["mm"][d], r["cv"][d] = balance(ids, E, moe)
             r["r2"][d] = balance(ids, E, moe, ranks=2)[0]
@@ -168,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                                   moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
                                   norm_eps=mc.rms_norm_eps)
             lens, traces, at = [len(s) for s in seqs], [], 0
-            for ln in lens[: max(1, len(lens) // 4)]:  # recall on a quarter of the tokens (prequential is slow)
-                traces.append(RoutingTrace(ids=ids[at : at + ln]))
+            for i, ln in enumerate(lens[: max(1, len(lens) // 4)]):  # a quarter of the tokens (prequential is slow)
+                traces.append(RoutingTrace(ids=ids[at : at + ln], hidden=hid[i]))
                 at += ln
             st = prequential_eval({"p": pred}, traces, budget=K + 1)["p"].c
             r["recall"][d] = sum(v["pred_inter"] for v in st.values()) / max(sum(v["true_n"] for v in st.values()), 1)
