@@ -24,6 +24,10 @@ terms added to the loss, averaged over MoE layers, p_t the router softmax of tok
     the serving `sticky` rule (router_service.routing.gating), so that the policy costs less when served;
     the other micro-batches keep the model's own top-k, which stays the `exact` reference.
 
+The shipped `models/tiny-moe` is stage 1 plus later stages of that recipe (sequence-wise balance 1.0, sticky on
+half the micro-batches at margin 0.25, 1.6M tokens each, lr decreasing per stage); its model card
+(`models/tiny-moe/README.md`) lists every stage's exact command.
+
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --tokens 12000000
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --resume
     python scripts/train_tiny_moe.py --work-dir /tmp/tiny-moe-train --export models/tiny-moe
