@@ -538,7 +538,9 @@ class PackedLayerExperts:
 
     def _load(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cffn is not None and self.tier is None:
-            return self._cffn.dequantize(e)
+            w = self._cffn.dequantize(e)
+            if w is not None:  # None: the compiled kernels went away (never cache None: dequantize below)
+                return w
         if self.tier is not None:
             gu, dn = self.tier.dequantized(e, self._deq, self.dtype)
         else:

@@ -242,6 +242,27 @@ def test_reference_miss_path_fills_the_cache_inline():
     assert not c.put(1, ("w1",), protect={2})
 
 
+def test_fill_falls_back_when_the_compiled_dequantize_is_gone():
+    # A worker fill whose compiled dequantize answers None (the kernels became unavailable, as when a test turns
+    # them off while another engine's worker runs) must dequantize on the reference path, never cache None.
+    from types import SimpleNamespace
+
+    from kernels.packed_weights import dequantize
+
+    g = torch.Generator().manual_seed(2)
+    E, D, I = 4, 64, 96
+    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
+                                    torch.randn(E, D, I, generator=g) * 0.1, bits=4, group_size=32)
+    layer = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
+                               worker=PrefetchWorker(sync=True), stats=RoutingStats())
+    layer._cffn = SimpleNamespace(dequantize=lambda e: None)
+    assert layer.cache.fill(3)
+    gu, dn = layer.cache.lookup([3])[3]
+    assert torch.equal(gu, dequantize(packed.gate_up[3], torch.float32))
+    assert torch.equal(dn, dequantize(packed.down[3], torch.float32))
+    assert layer.cache.resident_bytes == (gu.numel() + dn.numel()) * 4
+
+
 def test_auto_prefetch_rule():
     from actors.expert_store import auto_prefetch
     from router_service.routing.prefetch import DEFAULT_PREDICTOR
