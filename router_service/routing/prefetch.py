@@ -637,7 +637,8 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
     (`fit_lookahead_gates`), lookahead and hybrid use them in place of the routers' `gate_weights`.
 
     Raises:
-        ValueError: unknown `name`, or lookahead / hybrid without `gate_weights`.
+        ValueError: unknown `name`, lookahead / hybrid without `gate_weights`, or fitted gates whose shape does
+            not match the routers'.
     """
     kw = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "moe_layers": moe_layers}
     if name == "none":
@@ -650,6 +651,10 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
         if gate_weights is None:
             raise ValueError(f"prefetch={name!r} needs the routers' gate_weights")
         if counts is not None and counts.lookahead_gates:
+            for l, g in counts.lookahead_gates.items():
+                if l >= len(gate_weights) or gate_weights[l] is None or tuple(g.shape) != tuple(gate_weights[l].shape):
+                    raise ValueError(f"lookahead_gates[{l}].shape={tuple(g.shape)} does not match the model's router "
+                                     f"at layer {l} (a transitions file from another model?)")
             gate_weights = [counts.lookahead_gates.get(l, g) if g is not None else None for l, g in enumerate(gate_weights)]
         look = LookaheadPredictor(**kw, gate_weights=gate_weights, norm_weights=norm_weights, norm_eps=norm_eps)
         return look if name == "lookahead" else HybridPredictor(MarkovPredictor(**kw, counts=counts), look,

@@ -335,6 +335,9 @@ def test_lookahead_gates_round_trip_and_replace_the_router_gates(tmp_path):
     assert TransitionCounts.load(str(f)).lookahead_gates is None
     with pytest.raises(ValueError, match=r"lookahead_gates\[1\]"):
         TransitionCounts(inter=c.inter, intra=c.intra, freq=c.freq, lookahead_gates={1: torch.zeros(E + 1, D)})
+    with pytest.raises(ValueError, match=r"lookahead_gates\[1\].shape=\(8, 4\) does not match"):
+        make_predictor("hybrid", num_layers=L, num_experts=E, top_k=K, counts=back,
+                       gate_weights=[torch.randn(E, D + 1) for _ in range(L)])
     with pytest.raises(ValueError, match="ridge"):
         fit_lookahead_gates([], gates, ridge=-1.0)
     assert fit_lookahead_gates([RoutingTrace(ids=torch.zeros(3, L, K, dtype=torch.int64))], gates) == {}
