@@ -3,7 +3,8 @@
     moeray calibrate --domain prose --data a.txt b.txt --bits 3 models/tiny-moe/kv_profiles
 
 runs the model on the text in non-overlapping windows, collects every layer's pre-RoPE keys and values,
-fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer, and writes
+fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer with the shipped
+recipe for that width (`actors.kv_profiles.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
 `<OUT>/<domain>-<bits>bit.safetensors` + `.json` (or exactly OUT, if it ends in `.safetensors`).
 A progress bar (tqdm) goes to stderr.
 """
@@ -28,18 +29,40 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens at most")
     p.add_argument("--window", type=int, default=1024, help="tokens per forward")
-    p.add_argument("--n-outlier", type=int, default=2, help="key outlier channels per KV head kept in fp16")
-    p.add_argument("--n-outlier-v", type=int, default=0, help="value outlier channels per KV head kept in fp16")
+    # Fit options left unset take the shipped recipe for --bits (actors.kv_profiles.RECOMMENDED_FIT_OPTIONS).
+    recipe = "(default: the shipped recipe for --bits)"
+    p.add_argument("--n-outlier", type=int, default=None, help=f"key outlier channels per KV head kept in fp16 {recipe}")
+    p.add_argument("--n-outlier-v", type=int, default=None,
+                   help=f"value outlier channels per KV head kept in fp16 {recipe}")
     p.add_argument("--percentile", type=float, default=1.0, help="per-channel key range percentile, (0.5, 1]")
-    p.add_argument("--codebook", default="kmeans", choices=["kmeans", "uniform"])
+    p.add_argument("--codebook", default=None, choices=["kmeans", "uniform"], help=f"key codebook method {recipe}")
     p.add_argument("--codebook-v", default=None, choices=["kmeans", "uniform"],
-                   help="value codebook method (default: --codebook)")
-    p.add_argument("--k-range", default="mse", choices=["mse", "minmax"], help="per-channel key range fit")
+                   help="value codebook method (default: --codebook if given, else the shipped recipe for --bits)")
+    p.add_argument("--k-range", default=None, choices=["mse", "minmax"], help=f"per-channel key range fit {recipe}")
     p.add_argument("--no-v-zero", action="store_true", help="do not subtract the per-channel value mean")
     p.add_argument("--k-channel-bits", type=int, default=None, metavar="B",
                    help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
-                        "(kernels.kv_quant.fit_kv_profile); default one width for every channel")
+                        "(kernels.kv_quant.fit_kv_profile); 0: one width for every channel. Default: the shipped "
+                        "recipe for --bits (at 2 bits 152 per 64-channel row, scaled to the model's head_dim)")
     p.set_defaults(func=cmd_calibrate)
+
+
+def recipe_options(a, head_dim: int) -> dict:
+    """`fit_model_profile` options: the shipped recipe for `a.bits` (`RECOMMENDED_FIT_OPTIONS`, its 2-bit key
+    row budget scaled from 64 channels to `head_dim`), overridden by the flags given."""
+    from actors.kv_profiles import RECOMMENDED_FIT_OPTIONS
+
+    opts = dict(RECOMMENDED_FIT_OPTIONS[a.bits])
+    if opts.get("k_channel_bits") is not None:
+        opts["k_channel_bits"] = round(opts["k_channel_bits"] * head_dim / 64)
+    given = {"n_outlier": a.n_outlier, "n_outlier_v": a.n_outlier_v, "codebook": a.codebook, "k_range": a.k_range,
+             "codebook_v": a.codebook_v if a.codebook_v is not None else a.codebook}
+    opts.update({k: v for k, v in given.items() if v is not None})
+    if a.no_v_zero:
+        opts["use_v_zero"] = False
+    if a.k_channel_bits is not None:
+        opts["k_channel_bits"] = a.k_channel_bits or None
+    return opts
 
 
 def cmd_calibrate(a) -> int:
@@ -76,12 +99,10 @@ def cmd_calibrate(a) -> int:
         k, v, qe = collect_calibration_kv(eng, ids, window=window, progress=bar.update, with_query_energy=True)
     meta = {"model": os.path.basename(os.path.abspath(a.model)),
             "calibration_files": [os.path.basename(f) for f in a.data], "calibration_tokens": len(ids)}
+    opts = recipe_options(a, mc.head_dim)
     try:
-        prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, n_outlier=a.n_outlier,
-                                 n_outlier_v=a.n_outlier_v, percentile=a.percentile, codebook=a.codebook,
-                                 codebook_v=a.codebook_v, k_range=a.k_range,
-                                 use_v_zero=not a.no_v_zero, k_channel_bits=a.k_channel_bits,
-                                 query_energy=qe if a.k_channel_bits is not None else None)
+        prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, percentile=a.percentile, **opts,
+                                 query_energy=qe if opts.get("k_channel_bits") is not None else None)
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from actors.kv_profiles import (CODE_CHAR_THRESHOLD, choose_profile, code_fraction, load_profile, load_profiles,
-                                model_effective_bits)
+from actors.kv_profiles import (CODE_CHAR_THRESHOLD, RECOMMENDED_FIT_OPTIONS, choose_profile, code_fraction,
+                                load_profile, load_profiles, model_effective_bits)
 from moeray.cli import main
 
 PROSE = "Full fathom five thy father lies; of his bones are coral made. " * 8
@@ -32,15 +32,18 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     st = out / "code-3bit.safetensors"
     assert cap.out.strip() == str(st) and st.is_file()
     meta = json.loads((out / "code-3bit.json").read_text())
-    assert meta["domain"] == "code" and meta["bits"] == 3 and meta["n_outlier_k"] == 2
+    assert meta["domain"] == "code" and meta["bits"] == 3 and meta["n_outlier_k"] == 0
+    # no fit flags: the shipped 3-bit recipe (finalize_model.sh relies on it)
+    fit = {k: meta["fit_options"][k] for k in RECOMMENDED_FIT_OPTIONS[3]}
+    assert fit == RECOMMENDED_FIT_OPTIONS[3]
     assert meta["calibration_files"] == ["code.txt"] and 0 < meta["calibration_tokens"] <= 150
-    assert 3.0 < meta["effective_bits_1024"] < 6.0  # D=16: 2 fp16 outlier channels weigh a lot
+    assert 3.0 < meta["effective_bits_1024"] < 4.5  # codes, fp16 V scales, profile tensors over 1024 tokens
     prof = load_profile(str(st))
     assert prof.num_layers == 2 and prof.bits == 3 and prof.name == "code"
     assert model_effective_bits(prof, 1024) == pytest.approx(meta["effective_bits_1024"], abs=1e-4)
     # a folder of profiles resolves by name, and the engine builds its cache from it
-    # the codebook / key-range options of the 2-bit recipe (actors.kv_profiles.RECOMMENDED_FIT_OPTIONS) reach
-    # the fit and its metadata (outlier count left at 2: profiles in one folder must share a layout)
+    # codebook / key-range flags override the recipe and reach the fit and its metadata (the outlier count stays
+    # the recipe's: profiles of one width in one folder must share a layout)
     rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "3", "--model", model,
                "--tokens", "150", "--window", "64", "--codebook", "uniform", "--codebook-v", "kmeans",
                "--k-range", "minmax", str(out)])
@@ -98,3 +101,9 @@ def test_calibrate_per_channel_key_bits(model_and_data, tmp_path):
         assert layer.k_packed_bytes == 5
     assert main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "2", "--model", model,
                  "--tokens", "150", "--window", "64", "--k-channel-bits", "1000", str(tmp_path)]) == 2
+    # no flags: the shipped 2-bit recipe, its 152-bit key row for 64 channels scaled to this model's D=16 (38)
+    assert main(["calibrate", "--domain", "code", "--data", str(d / "code.txt"), "--bits", "2", "--model", model,
+                 "--tokens", "150", "--window", "64", str(tmp_path)]) == 0
+    fit = json.loads((tmp_path / "code-2bit.json").read_text())["fit_options"]
+    assert fit["k_channel_bits"] == 38 and fit["n_outlier"] == 0 and fit["codebook"] == "uniform"
+    assert fit["codebook_v"] == "kmeans" and fit["k_range"] == "minmax" and fit["query_energy"] is True
