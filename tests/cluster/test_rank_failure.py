@@ -93,20 +93,24 @@ def test_refuses_while_rebuilding_and_http_gets_503(llm):
 
     router = llm.router
     client = TestClient(create_app(router, model_name="m"))
-    result: dict = {}
+    result: dict = {"lines": []}
+    streaming = threading.Event()
 
     def stream_req():
         body = {"model": "m", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
         with client.stream("POST", "/v1/completions", json=body) as r:
             result["status"] = r.status_code
-            result["lines"] = [ln for ln in r.iter_lines() if ln]
+            for ln in r.iter_lines():
+                if ln:
+                    result["lines"].append(ln)
+                    streaming.set()
+        streaming.set()
 
     t = threading.Thread(target=stream_req)
     t.start()
-    deadline = time.monotonic() + 30
-    while router.in_flight == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)
+    # kill a rank as soon as the stream has its first token: on a fast machine the 200 tokens take well under a
+    # second, so a fixed sleep could let the stream finish before the kill
+    assert streaming.wait(30)
     ray.kill(router.cluster.ranks[1], no_restart=True)
     deadline = time.monotonic() + 15
     while router.health()["status"] != "recovering" and time.monotonic() < deadline:
