@@ -221,16 +221,23 @@ def test_config_errors(qwen_dir):
         make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=-1)
 
 
+def _packed_layer(seed: int, E: int, D: int, I: int, bits: int, **kw):
+    """(generator, random experts packed at `bits`, a capacity-2 LRU PackedLayerExperts over them on the torch
+    backend with a synchronous worker); the generator continues the same random stream."""
+    g = torch.Generator().manual_seed(seed)
+    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
+                                    torch.randn(E, D, I, generator=g) * 0.1, bits=bits, group_size=32)
+    layer = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
+                               worker=PrefetchWorker(sync=True), stats=RoutingStats(), **kw)
+    return g, packed, layer
+
+
 def test_reference_miss_path_fills_the_cache_inline():
     # The torch miss path dequantizes the whole expert anyway: it hands the pair to the cache (no worker fill).
-    g = torch.Generator().manual_seed(1)
-    E, D, I, R = 6, 64, 96, 12
-    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
-                                    torch.randn(E, D, I, generator=g) * 0.1, bits=4, group_size=32)
-    x = torch.randn(R, D, generator=g)
+    R = 12
+    g, packed, cached = _packed_layer(1, 6, 64, 96, 4, demand_fill=True)
+    x = torch.randn(R, 64, generator=g)
     ids = torch.tensor([1, 4] * (R // 2))
-    cached = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
-                                worker=PrefetchWorker(sync=True), stats=RoutingStats(), demand_fill=True)
     assert cached.inline_fill
     ref = _layer(0, packed)
     assert _rel(cached(x, ids), ref(x, ids)) < 1e-5
@@ -249,12 +256,7 @@ def test_fill_falls_back_when_the_compiled_dequantize_is_gone():
 
     from kernels.packed_weights import dequantize
 
-    g = torch.Generator().manual_seed(2)
-    E, D, I = 4, 64, 96
-    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
-                                    torch.randn(E, D, I, generator=g) * 0.1, bits=4, group_size=32)
-    layer = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
-                               worker=PrefetchWorker(sync=True), stats=RoutingStats())
+    _, packed, layer = _packed_layer(2, 4, 64, 96, 4)
     layer._cffn = SimpleNamespace(dequantize=lambda e: None)
     assert layer.cache.fill(3)
     gu, dn = layer.cache.lookup([3])[3]
@@ -303,12 +305,8 @@ def test_one_token_miss_fills_the_cache():
     # run_token's own miss path (torch backend: the compiled fused kernel on CPU, else dequantize inline): the
     # missed experts reach the cache (the worker is synchronous here), results equal the general call's, and the
     # hits that follow agree with the misses to fp32 rounding.
-    g = torch.Generator().manual_seed(5)
-    E, D, I = 4, 32, 40
-    packed = quantize_local_experts(torch.randn(E, 2 * I, D, generator=g) * 0.1,
-                                    torch.randn(E, D, I, generator=g) * 0.1, bits=3, group_size=32)
-    lay = PackedLayerExperts(0, packed, capacity=2, policy="lru", dtype=torch.float32, backend="torch",
-                             worker=PrefetchWorker(sync=True), stats=RoutingStats(), demand_fill=True)
+    D = 32
+    g, packed, lay = _packed_layer(5, 4, D, 40, 3, demand_fill=True)
     x, ids = torch.randn(1, D, generator=g), torch.tensor([3, 1])
     y = lay.run_token(x, ids)
     assert _rel(y, _layer(0, packed)(x.expand(2, D).contiguous(), ids)) < 1e-6
