@@ -3,6 +3,8 @@ requests are refused with a retriable error, running ones may finish, the rest e
 and every KV block is free."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from actors.sampling import SamplingParams
@@ -23,7 +25,14 @@ def test_drain_finishes_short_ends_long_and_refuses_new(llm):
     short = router.submit("to be", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     long = router.submit("or not", SamplingParams(max_tokens=240, temperature=0.0, ignore_eos=True))
     short.get(timeout=60), long.get(timeout=60)  # both decoding: the short one needs 3 more steps, the long 239
-    ended = router.drain(timeout_s=0.2)
+    # The drain window: ~20 decode steps at this machine's pace (measured on the long request), so the short one
+    # finishes inside it and the long one cannot (a fixed 0.2 s let all 240 tokens finish on a fast machine).
+    t0, n0 = time.monotonic(), len(long.out.token_ids)
+    while len(long.out.token_ids) < n0 + 5 and time.monotonic() - t0 < 5:
+        time.sleep(0.001)
+    step_s = (time.monotonic() - t0) / max(len(long.out.token_ids) - n0, 1)
+    assert len(long.out.token_ids) < 200  # room left for the long request to be cut short
+    ended = router.drain(timeout_s=20 * step_s)
     assert ended == 1
     assert short.result(timeout=5).finish_reason == "length" and len(short.out.token_ids) == 4
     out = long.result(timeout=5)
