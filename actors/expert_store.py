@@ -69,7 +69,6 @@ from router_service.routing.prefetch import (
     PREDICTORS,
     TRANSITIONS_FILE,
     ExpertPredictor,
-    LookaheadPredictor,
     MarkovPredictor,
     RoutingTrace,
     TransitionCounts,
@@ -1365,10 +1364,9 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     gates = [g.float() if g is not None and mc.moe_layers[l] else None for l, g in enumerate(gates)]
     norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
     counts.lookahead_gates = fit_lookahead_gates(traces, gates, norms, mc.rms_norm_eps) or None
-    fitted = [counts.lookahead_gates.get(l, g) if counts.lookahead_gates and g is not None else g
-              for l, g in enumerate(gates)]
-    look = LookaheadPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers, gate_weights=fitted,
-                              norm_weights=norms, norm_eps=mc.rms_norm_eps)
+    look = make_predictor("lookahead", num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k,
+                          moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
+                          norm_eps=mc.rms_norm_eps)  # with the fitted gates, as served
     counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look)
     if out_path:
         counts.save(out_path, meta)
