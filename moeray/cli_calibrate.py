@@ -43,13 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--k-channel-bits", type=int, default=None, metavar="B",
                    help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
                         "(kernels.kv_quant.fit_kv_profile); 0: one width for every channel. Default: the shipped "
-                        "recipe for --bits (at 2 bits 152 per 64-channel row, scaled to the model's head_dim)")
+                        "recipe for --bits (152 bits at 2 bits, 256 at 4, per 64-channel row, scaled to the model's head_dim)")
     p.set_defaults(func=cmd_calibrate)
 
 
 def recipe_options(a, head_dim: int) -> dict:
-    """`fit_model_profile` options: the shipped recipe for `a.bits` (`RECOMMENDED_FIT_OPTIONS`, its 2-bit key
-    row budget scaled from 64 channels to `head_dim`), overridden by the flags given."""
+    """`fit_model_profile` options: the shipped recipe for `a.bits` (`RECOMMENDED_FIT_OPTIONS`, its per-channel
+    key row budget, where it has one, scaled from 64 channels to `head_dim`), overridden by the flags given."""
     from actors.kv_profiles import RECOMMENDED_FIT_OPTIONS
 
     opts = dict(RECOMMENDED_FIT_OPTIONS[a.bits])
