@@ -1,13 +1,18 @@
 """The Ray actor that owns one rank, and the lockstep loop that keeps all ranks' collectives paired.
 
-Lockstep protocol. Every router call that may create work (a request, an abort, shutdown) carries
-a wake sequence number `seq` that is sent to every rank. A rank sleeps (on a condition variable:
-no spinning) until it has seen a `seq` above the last agreed one. Each round, every rank
-contributes `[has_work, seen_seq, stop, -committed_epoch, num_tokens]` to one MAX over the group (an
-all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks therefore agree on
-the same `agreed_seq`, on whether to run a step (all of them do, with zero tokens if need be), and
-on when to go back to sleep or stop. Since every `seq` reaches every rank, a rank that wakes for
-`seq` is always joined by the others.
+Lockstep protocol. Every router call that may create work (a request, an abort, shutdown) is followed
+by a wake sequence number `seq` that is sent to every rank; for a request, the router draws it only
+after the owning rank holds the request. A rank sleeps (on a condition variable: no spinning) until it
+has seen a `seq` above the last agreed one. Each round, every rank reads its `seen_seq` and then
+checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens]` to one
+MAX over the group (an all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks
+therefore agree on whether to run a step (all of them do, with zero tokens if need be), on when to
+stop, and on `agreed_seq`, the SMALLEST seq seen: a rank goes back to sleep only when every rank has
+read its latest seq, so the work behind that seq was in this round's `has_work`. (With the largest
+seq, a rank whose request landed just after its work check could be told its own seq was agreed,
+while a peer that got the wake first reported no work: it slept with the request queued. Seen once
+as a hung request in `tests/cluster/test_cluster.py`.) Since every `seq` reaches every rank, a rank
+that wakes for `seq` is always joined by the others.
 
 Expert placement changes (EPLB rebalancing) ride on the same agreement: the launcher first has every
 rank `prepare_placement(placement, epoch)` (weights read off the step thread), then `commit_placement(epoch)`
@@ -140,7 +145,10 @@ class RankWorker:
             self._wake_seq = max(self._wake_seq, seq)
             self._cond.notify_all()
 
-    def add_request(self, data: bytes, seq: int) -> None:
+    def add_request(self, data: bytes, seq: int = 0) -> None:
+        """Queue one encoded `GenerateRequest` on this rank. The router then sends a freshly drawn `seq` to every
+        rank (`wake`), so no rank can have seen that seq before this rank holds the request; `seq` here wakes
+        this rank's loop directly (a caller driving one rank in-process). Raises RuntimeError on a failed rank."""
         if self._failed is not None:
             raise RuntimeError(self._failed)
         self.engine.add_request(GenerateRequest.decode(data))
@@ -347,7 +355,7 @@ class RankWorker:
                     # count (the dispatcher's fixed capacity) in the same agreement
                     plan = self.engine.plan() if self.engine.has_work and not stop else None
                     n = plan.num_tokens if plan is not None else 0
-                    flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), seen, int(stop), -committed, n
+                    flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), -seen, int(stop), -committed, n
                     t0 = time.perf_counter()
                     # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
                     # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
@@ -357,7 +365,7 @@ class RankWorker:
                         dist.all_to_all_single(flags_in, flag.repeat(self.world_size), group=self.group)
                     self.engine.timing["sync_s"] += time.perf_counter() - t0
                     work, agreed, stop, committed, t_max = flags_in.view(self.world_size, 5).amax(0).tolist()
-                    committed = -committed
+                    agreed, committed = -agreed, -committed  # the smallest seq seen, the smallest epoch committed
                 else:  # alone: nothing to agree on (and no tensor ops on the decode path)
                     work, agreed = self.engine.has_work, seen
                 if stop:

@@ -200,17 +200,19 @@ class Router:
             self._rank_cost[rank] += cost
             stream = RequestStream(self, rid, prompt, rank, len(ids), cost)
             self._streams[rid] = stream
-            seq = next(self._seq)
         msg = GenerateRequest(request_id=rid, prompt_ids=ids, params=params.to_dict(), arrival=time.time()).encode()
         try:
-            ray.get(self.cluster.ranks[rank].add_request.remote(msg, seq), timeout=30)
+            ray.get(self.cluster.ranks[rank].add_request.remote(msg), timeout=30)
         except Exception as e:  # noqa: BLE001
             self._finish(rid)
             raise EngineError(f"rank {rank} refused the request: {e}") from e
         with self._lock:
             stream.admitted = True
             pending = stream.abort_pending
-        self._wake_others(rank, seq)
+            # drawn only now that the rank holds the request: a rank that has seen this seq also sees the request
+            # (a seq drawn before could reach the ranks, via another request's wake, ahead of the request itself)
+            seq = next(self._seq)
+        self._wake_others(None, seq)
         if pending:
             self.abort(rid)
         return stream
