@@ -49,6 +49,7 @@ import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -436,11 +437,31 @@ class ColdExpertTier:
         return out
 
 
+def _run_fills(q: queue.Queue, stream) -> None:
+    """`PrefetchWorker`'s thread: run queued fills in order until a None arrives."""
+    while True:
+        fn = q.get()
+        try:
+            if fn is None:
+                return
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    fn()
+            else:
+                fn()
+        except Exception:
+            log.exception("expert prefetch failed")
+        finally:
+            q.task_done()
+
+
 class PrefetchWorker:
     """One background thread that runs cache fills in submission order (or inline when `sync`).
 
     On CUDA each fill runs on the worker's own stream and is complete (stream synchronised) before the
-    entry is published, so the forward's stream can use it without an event wait.
+    entry is published, so the forward's stream can use it without an event wait. The thread holds only the
+    queue and the stream, and ends when the worker is closed or garbage-collected (an engine dropped without
+    `close()` does not leave its thread behind).
     """
 
     def __init__(self, sync: bool = False, device: torch.device | None = None):
@@ -452,30 +473,16 @@ class PrefetchWorker:
         if not sync:
             if device is not None and device.type == "cuda":
                 self._stream = torch.cuda.Stream(device)
-            self._thread = threading.Thread(target=self._run, name="expert-prefetch", daemon=True)
+            self._thread = threading.Thread(target=_run_fills, args=(self._q, self._stream), name="expert-prefetch",
+                                            daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._q.put, None)
 
     def submit(self, fn: Callable[[], None]) -> None:
         if self.sync:
             fn()
         else:
             self._q.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            try:
-                if fn is None:
-                    return
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        fn()
-                else:
-                    fn()
-            except Exception:
-                log.exception("expert prefetch failed")
-            finally:
-                self._q.task_done()
 
     def wait_idle(self) -> None:
         """Block until every submitted fill has run (tests, benchmarks)."""

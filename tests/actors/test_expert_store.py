@@ -364,3 +364,19 @@ def test_compiled_prefetch_step_equals_the_python_bookkeeping(qwen_dir, predicto
     for f in ("freq", "inter", "intra"):
         assert torch.equal(getattr(ca, f), getattr(cb, f)), f
     assert ca.tokens == cb.tokens
+
+
+def test_prefetch_worker_thread_ends_when_the_worker_is_dropped():
+    """An engine dropped without close() must not leave its fill thread behind (a test session built ~25 of them)."""
+    import gc
+
+    w = PrefetchWorker()
+    done = []
+    w.submit(lambda: done.append(1))
+    w.wait_idle()
+    t = w._thread
+    assert done == [1] and t.is_alive()
+    del w
+    gc.collect()
+    t.join(timeout=5)
+    assert not t.is_alive()
