@@ -85,7 +85,9 @@ def _alive(pid: int) -> bool:
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     # Python < 3.13 registers every attach with the resource tracker, which would unlink (or warn about) the
-    # segment when this process exits; rank 0 unlinks it explicitly once everyone is attached
+    # segment when this process exits; rank 0 unlinks it explicitly once everyone is attached. Only attaching
+    # ranks untrack: the creator's `unlink()` unregisters the name itself, and a second unregister made the
+    # tracker process print a KeyError traceback at every cluster start.
     try:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the documented workaround
     except Exception:  # noqa: BLE001
@@ -112,7 +114,8 @@ class ShmAllToAll:
         self.peer_pids = list(peer_pids)
         size = world * LINE + 2 * world * world * slot_bytes
         self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-        _untrack(self.shm)
+        if not create:
+            _untrack(self.shm)
         self._counters = np.ndarray((world, LINE // 8), dtype=np.int64, buffer=self.shm.buf)[:, 0]
         if create:
             self._counters[:] = 0

@@ -103,3 +103,34 @@ def test_bad_shapes_are_refused():
     finally:
         a.close()
         shared_memory.SharedMemory(name=name).unlink()
+
+
+def _quiet_worker(rank, port, q):
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    shm = ShmAllToAll.setup(store, rank, 2, timeout_s=30.0)
+    x = torch.arange(4.0) + 10 * rank
+    out = torch.empty_like(x)
+    shm.all_to_all_single(out, x)
+    q.put((rank, out.tolist(), shm.shm.name))
+    shm.close()
+
+
+def test_setup_leaves_the_resource_tracker_quiet_and_the_name_unlinked(capfd):
+    """The creating rank's unlink() unregisters the name itself: untracking it as well made each rank's resource
+    tracker print `KeyError: '/moeray_...'` with a traceback at every cluster start."""
+    from multiprocessing import shared_memory
+
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), _port()
+    procs = [ctx.Process(target=_quiet_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+    assert [r[1] for r in res] == [[0.0, 1.0, 10.0, 11.0], [2.0, 3.0, 12.0, 13.0]]
+    time.sleep(0.5)  # the trackers write asynchronously
+    err = capfd.readouterr().err
+    assert "KeyError" not in err and "leaked shared_memory" not in err, err
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=res[0][2])
