@@ -84,8 +84,9 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on a bad --gating-option, a negative --expert-cache, --resident-experts below 1, or
-    expert-cache / prefetch flags without packed experts (checked here, before any Ray work). Warns on stderr
+    Raises ValueError on a bad --gating-option (malformed, unknown key or out-of-range value), a negative
+    --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
+    (checked here, before any Ray work). Warns on stderr
     when a prefetch predictor is asked for while the expert cache is left at its CPU default of 0."""
     if a.expert_cache is not None and a.expert_cache < 0:
         raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
@@ -112,6 +113,12 @@ def engine_kwargs(a) -> dict:
             "weight_storage": a.weight_storage}
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
+        from router_service.routing.gating import GatingConfig
+
+        try:  # unknown keys and out-of-range knobs fail here, not in the rank actors after Ray has started
+            GatingConfig.from_options(a.gating, opts["gating_options"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--gating-option: {e}") from None
     kw["engine_options"] = {k: v for k, v in opts.items() if v is not None}
     if a.kernel_backend == "triton":
         import torch

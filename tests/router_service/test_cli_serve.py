@@ -12,6 +12,8 @@ from moeray.cli import main
     (["--ranks", "0"], "--ranks=0"),
     (["--model", "/nonexistent"], "no config.json"),
     (["--gating-option", "sticky_margin"], "KEY=VALUE"),
+    (["--gating-option", "bogus=1"], "unknown gating option(s) ['bogus']"),
+    (["--gating", "sticky", "--gating-option", "sticky_margin=-1"], "sticky_margin=-1"),
 ])
 def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv, msg):
     model = ["--model", tiny_model_dir("qwen2_moe")] if "--model" not in argv else []
