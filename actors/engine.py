@@ -494,12 +494,15 @@ class RankEngine:
 
     def stats(self) -> dict:
         """This rank's counters; `kv_memory` (bytes, blocks, effective bits: the cache's `memory_stats()`) only
-        when the KV cache reports it (the quantized cache does)."""
+        when the KV cache reports it (the quantized cache does). kv_blocks_free: blocks no sequence holds
+        (free + used = total; all free when idle). kv_blocks_admissible: what the scheduler may hand out now;
+        below kv_blocks_free on a quantized cache, whose page pool keeps a page in reserve."""
         a = self.cache.allocator
         out = {
             "rank": self.rank,
             "expert_load": self.model.expert_load.tolist(),
-            "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_free,
+            "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_blocks - a.num_used,
+            "kv_blocks_admissible": a.num_free,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "comm_s": self.dispatcher.comm_s, **self.timing,
             "routing": self.model.gating_router.stats(),

@@ -295,6 +295,19 @@ def _shipped_or_interim() -> str | None:
     return None
 
 
+def test_idle_rank_reports_every_kv_block_free():
+    """`stats()` on an idle rank: free == total. It reported the page pool's reserve page as a used block
+    (`moeray generate --kv-bits 3 --stats`: "KV blocks free 19634/19636" before any request); the scheduler's
+    byte-aware count is `kv_blocks_admissible`."""
+    model = _shipped_or_interim()
+    if model is None:
+        pytest.skip(f"no trained model at {DEFAULT_MODEL} (or {INTERIM})")
+    eng = _engine(model, kv_bits=3, max_model_len=512, kv_cache_bytes=64 << 20)
+    es = eng.stats()
+    assert es["kv_blocks_free"] == es["kv_blocks_total"] == eng.cache.num_blocks
+    assert es["kv_blocks_admissible"] == eng.cache.allocator.num_free < es["kv_blocks_free"]
+
+
 def test_4bit_top1_agreement_on_heldout(tmp_path):
     """Teacher-forced top-1 agreement of the 4-bit quantized cache vs full precision >= 97% (held-out prose)."""
     model = _shipped_or_interim()
