@@ -86,8 +86,8 @@ def engine_kwargs(a) -> dict:
 
     Raises ValueError on a bad --gating-option (malformed, unknown key or out-of-range value), a negative
     --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
-    (checked here, before any Ray work). Warns on stderr
-    when a prefetch predictor is asked for while the expert cache is left at its CPU default of 0."""
+    (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
+    expert cache is left at its CPU default of 0."""
     if a.expert_cache is not None and a.expert_cache < 0:
         raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
     if a.resident_experts is not None and a.resident_experts < 1:
