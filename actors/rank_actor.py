@@ -51,6 +51,7 @@ from actors.config import ModelConfig
 from actors.dispatch import FIXED_MAX_ROWS, ExpertPlacement
 from actors.engine import EngineConfig, RankEngine
 from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
+from actors.rendezvous import host_store, join_store
 from actors.shm_collective import ShmAllToAll
 from kernels.cpu_kernels import cpu_kernels_available
 
@@ -81,6 +82,7 @@ class RankWorker:
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
         self.group = None
+        self._store = None  # rank 0: the rendezvous TCPStore server (open_rendezvous)
         self.shm: ShmAllToAll | None = None  # same-node transport of the step's small all-to-alls (setup)
         # placement epochs: prepared (weights read), committed (ready to apply), applied (in use)
         self._prepared: dict[int, tuple[ExpertPlacement, dict]] = {}
@@ -94,33 +96,46 @@ class RankWorker:
         self._last_send = 0.0
 
     # ------------------------------------------------------------------ bring-up
-    def node_address(self) -> tuple[str, int]:
-        """(IP of this node, a free TCP port) for the process-group rendezvous."""
+    def node_ip(self) -> str:
+        """IP address of this rank's node (127.0.0.1 outside Ray)."""
         try:
             import ray
 
-            ip = ray.util.get_node_ip_address()
+            return ray.util.get_node_ip_address()
         except Exception:  # noqa: BLE001 - outside Ray
-            ip = "127.0.0.1"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ip, port
+            return "127.0.0.1"
+
+    def open_rendezvous(self, timeout_s: float = 120.0) -> tuple[str, int]:
+        """Rank 0 only: start the process group's TCPStore server (`actors.rendezvous.host_store`, on a port the
+        kernel picks and this process holds from then on) and return (node IP, port) for `setup`. Raises
+        ValueError on any other rank."""
+        if self.rank != 0:
+            raise ValueError(f"open_rendezvous is rank 0's job, not rank {self.rank}'s")
+        if self._store is None:
+            self._store = host_store(self.world_size, timeout_s)
+        return self.node_ip(), self._store.port
 
     def setup(self, master_addr: str, master_port: int, backend: str = "gloo", timeout_s: float = 10.0,
               transport: str = "auto") -> dict:
         """Join the process group (if world_size > 1), load weights, start the loop thread.
 
-        transport: "auto" also opens the shared-memory all-to-all (`actors.shm_collective`) for the step
-        agreement and the fixed-capacity decode dispatch when the backend is gloo and every rank is on this
-        node; "torch": torch.distributed for every collective. Returns {rank, pid, kv_blocks, cpu_kernels,
-        transport}."""
+        master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 reuses its own; a rank 0
+        that has none hosts the store on master_port itself). transport: "auto" also opens the shared-memory
+        all-to-all (`actors.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
+        the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
+        Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
             # rendezvous may wait for slow-starting peers; collectives themselves time out after timeout_s
-            store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=self.rank == 0,
-                                  timeout=timedelta(seconds=max(120.0, timeout_s)))
+            wait_s = max(120.0, timeout_s)
+            if self._store is not None:
+                store = self._store
+            elif self.rank == 0:
+                store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=True,
+                                      timeout=timedelta(seconds=wait_s))
+            else:
+                store = join_store(master_addr, master_port, self.world_size, wait_s)
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD
@@ -173,7 +188,7 @@ class RankWorker:
         """Listen for the router's output connection; returns (host, port, token). One connection is served at a
         time (a new one replaces the old); it must send the token (ASCII hex, newline-terminated) first."""
         if self._channel is None:
-            host, _ = self.node_address()
+            host = self.node_ip()
             srv = socket.socket()
             srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             srv.bind((host, 0))

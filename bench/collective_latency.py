@@ -15,7 +15,6 @@ Last line: RESULT a2a_rows_us=<x> allreduce_flags_us=<x> a2a_flags_us=<x> shm_a2
 from __future__ import annotations
 
 import argparse
-import socket
 import time
 
 import torch
@@ -26,11 +25,10 @@ import torch.multiprocessing as mp
 def _worker(rank: int, port: int, backend: str, iters: int, q) -> None:
     torch.set_num_threads(1)
     dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    from datetime import timedelta
-
+    from actors.rendezvous import join_store
     from actors.shm_collective import ShmAllToAll
 
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, 2, 60.0)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
     shm = ShmAllToAll.setup(store, rank, 2, timeout_s=30.0) if backend == "gloo" else None
     rows = torch.zeros(2 * 4, 257, device=dev)  # 4 rows of D + 1 = 257 fp32 to each rank
@@ -71,9 +69,9 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
     iters = 300 if args.quick else 2000
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from actors.rendezvous import host_store
+    store = host_store(2)  # held until the workers are done
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, args.backend, iters, q)) for r in range(2)]

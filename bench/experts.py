@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             rr[name].append(t[name] / t["C=E"])
     inst.restore()
     slowdown, slowdown_pred = med(rr["C=E/2 auto"]), med(rr[f"C=E/2 {DEFAULT_PREDICTOR}"])
-    print(f"\nbatch-1 ms/token vs packed C=E, measured back to back, median of 5 rounds of 48 tokens:")
+    print("\nbatch-1 ms/token vs packed C=E, measured back to back, median of 5 rounds of 48 tokens:")
     for name, v in rr.items():
         print(f"  {name:>14}: {med(v):.3f}x  (rounds: {' '.join(f'{x:.3f}' for x in v)})")
     print(f"total {time.perf_counter() - t_start:.0f} s")

@@ -105,7 +105,7 @@ def main() -> None:
         ray.shutdown()
 
     print()
-    print(f"| trial | killed rank | errors after (s) | serving after (s) | rebuild (s) | lost | leaked blocks |")
+    print("| trial | killed rank | errors after (s) | serving after (s) | rebuild (s) | lost | leaked blocks |")
     print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
         print(f"| {i} | {r['victim']} | {r['fail_s']:.2f} | {r['serve_s']:.2f} | {r['rebuild_s']:.2f} | {r['lost']} "

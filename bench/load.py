@@ -47,7 +47,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core INFO lines (GOAWAY
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
+from actors.rendezvous import free_port  # noqa: E402
 from router_service.proto.moeray.v1 import moeray_pb2 as pb  # noqa: E402
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -141,13 +141,6 @@ def result_line(st: State, hung_extra: int = 0) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- server
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server binds it a moment later; a race is unlikely on loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """`moeray serve` in a subprocess (its own session, so a fallback kill reaches Ray's head processes)."""
 

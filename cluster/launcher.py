@@ -60,7 +60,7 @@ class EPCluster:
 
     def _spawn(self, timeout_s: float) -> None:
         """Start one RankWorker per bundle of `self.pg` under the current placement and join them in a new
-        process group (a fresh rendezvous port each time)."""
+        process group (a fresh rendezvous store, on a port rank 0 holds from the bind on, each time)."""
         cfg = self.cfg
         actor_cls = ray.remote(RankWorker)
         self.ranks = [
@@ -72,7 +72,8 @@ class EPCluster:
         ]
         try:
             # every actor process up before the rendezvous starts
-            addr, port = ray.get([r.node_address.remote() for r in self.ranks], timeout=timeout_s)[0]
+            ray.get([r.node_ip.remote() for r in self.ranks], timeout=timeout_s)
+            addr, port = ray.get(self.ranks[0].open_rendezvous.remote(max(120.0, cfg.pg_timeout_s)), timeout=timeout_s)
             self.info = ray.get([r.setup.remote(addr, port, cfg.backend, cfg.pg_timeout_s, cfg.transport) for r in self.ranks],
                                 timeout=timeout_s)
         except BaseException:

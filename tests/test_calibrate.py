@@ -1,6 +1,5 @@
 """`moeray calibrate` writes a KV quantization profile the engine can load; the `auto` profile rule."""
 import json
-import os
 
 import pytest
 import torch

@@ -30,7 +30,6 @@ def _generate(address: str, ranks: int) -> list[dict]:
 
 
 def test_cli_two_ranks_equal_one_rank_equal_transformers(ray_session):
-    import torch
     from tokenizers import Tokenizer
 
     from tests.tiny_models import load_hf

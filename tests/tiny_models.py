@@ -5,7 +5,6 @@ so top-k margins are well above 1e-3 for typical tokens.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch

@@ -363,7 +363,7 @@ class FrequencyPredictor(ExpertPredictor):
     def observe_lists(self, layer, ids, prev_layer, prev_tok):
         """`TransitionCounts.observe` on Python lists: one compiled call on the count tensors where the CPU
         kernels run (`kernels.cpu_kernels.MarkovTables`), else the Python copy now and the tensors on `counts`."""
-        c = self.counts  # applies any queued increments first
+        _ = self.counts  # applies any queued increments first
         if self._tables_c().observe(layer, ids, prev_layer, prev_tok):
             self._observed_c(layer, ids)
             return

@@ -2,11 +2,12 @@
 route different tokens hold the same (non-zero) bias right after a sync step (real gloo group, no Ray)."""
 from __future__ import annotations
 
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from actors.rendezvous import host_store, join_store
 
 
 def _worker(rank, world, port, model_dir, q):
@@ -17,7 +18,7 @@ def _worker(rank, world, port, model_dir, q):
     from actors.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_store("127.0.0.1", port, world, 60.0), rank=rank, world_size=world)
     mc = ModelConfig.from_pretrained(model_dir)
     eng = RankEngine(EngineConfig(model=model_dir, max_model_len=128, kv_cache_bytes=2**21, gating="balanced",
                                   gating_options={"balance_rate": 0.01}),
@@ -39,9 +40,8 @@ def _worker(rank, world, port, model_dir, q):
 
 def test_balancing_bias_is_averaged_over_ranks(tiny_model_dir):
     model_dir = tiny_model_dir("qwen2_moe")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store(2)  # held until the workers are done
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, model_dir, q)) for r in range(2)]

@@ -4,8 +4,6 @@ with the fixed-capacity (decode) exchange, in fp32 and bf16 (ids in their own co
 with the shared-memory transport."""
 from __future__ import annotations
 
-import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch.multiprocessing as mp
 
 from actors.dispatch import AllToAllDispatcher, ExpertPlacement
 from actors.experts import LocalExperts
+from actors.rendezvous import host_store, join_store
 from kernels.gating import topk_softmax_ref
 
 E, D, I, K = 7, 12, 10, 2
@@ -29,11 +28,9 @@ def _data(seed=0):
 
 
 def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
-    from datetime import timedelta
-
     from actors.shm_collective import ShmAllToAll
 
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, world, 60.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     wgu, wd, gate, xs = _data()
     pl = ExpertPlacement.contiguous(1, E, world)
@@ -71,9 +68,8 @@ def test_three_ranks_equal_one_rank(fixed, dtype, shm):
     for x in xs:
         w, ids = topk_softmax_ref(x @ gate.T, K, False)
         refs.append(ref_disp.run(0, x, ids, w, ref_experts))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store(3)  # held until the workers are done
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 3, port, q, fixed, dtype, shm)) for r in range(3)]

@@ -3,26 +3,19 @@ modes: a peer that exits or never arrives raises instead of hanging."""
 from __future__ import annotations
 
 import os
-import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from actors.rendezvous import host_store, join_store
 from actors.shm_collective import ShmAllToAll
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _equal_worker(rank, world, port, q):
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, world, 60.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     shm = ShmAllToAll.setup(store, rank, world, timeout_s=30.0, slot_bytes=4096)
     g = torch.Generator().manual_seed(rank)
@@ -46,7 +39,8 @@ def _equal_worker(rank, world, port, q):
 
 def test_equals_gloo_all_to_all_over_many_calls():
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), _port()
+    store = host_store(3)  # held until the workers are done
+    q, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_equal_worker, args=(r, 3, port, q)) for r in range(3)]
     for p in procs:
         p.start()
@@ -57,7 +51,7 @@ def test_equals_gloo_all_to_all_over_many_calls():
 
 
 def _dying_worker(rank, port, q, mode):
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, 2, 60.0)
     shm = ShmAllToAll.setup(store, rank, 2, timeout_s=3.0)
     x = torch.arange(4.0)
     shm.all_to_all_single(torch.empty_like(x), x)  # one good call
@@ -77,7 +71,8 @@ def _dying_worker(rank, port, q, mode):
 @pytest.mark.parametrize("mode", ["exit", "stall"])
 def test_dead_or_stalled_peer_raises(mode):
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), _port()
+    store = host_store(2)  # held until the workers are done
+    q, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_dying_worker, args=(r, port, q, mode)) for r in range(2)]
     for p in procs:
         p.start()
@@ -106,7 +101,7 @@ def test_bad_shapes_are_refused():
 
 
 def _quiet_worker(rank, port, q):
-    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, 2, 60.0)
     shm = ShmAllToAll.setup(store, rank, 2, timeout_s=30.0)
     x = torch.arange(4.0) + 10 * rank
     out = torch.empty_like(x)
@@ -121,7 +116,8 @@ def test_setup_leaves_the_resource_tracker_quiet_and_the_name_unlinked(capfd):
     from multiprocessing import shared_memory
 
     ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), _port()
+    store = host_store(2)  # held until the workers are done
+    q, port = ctx.Queue(), store.port
     procs = [ctx.Process(target=_quiet_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()

@@ -3,7 +3,6 @@ padding ids, the engine's placement switch, and rebalancing a running 2-rank Ray
 from __future__ import annotations
 
 import math
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 
 from actors.dispatch import AllToAllDispatcher, ExpertPlacement, water_fill
 from actors.experts import LocalExperts
+from actors.rendezvous import host_store, join_store
 from cluster.metrics import aggregate_stats, balancedness
 from cluster.placement import eplb_placement, expected_rank_load
 from kernels.gating import topk_softmax_ref
@@ -133,7 +133,7 @@ def _worker(rank, world, port, placement, q):
 
 
 def _work(rank, world, port, placement, q):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=join_store("127.0.0.1", port, world, 60.0), rank=rank, world_size=world)
     try:
         wgu, wd, gate, xs = _data()
         pl = ExpertPlacement.from_dict(placement)
@@ -186,9 +186,8 @@ def test_three_ranks_with_replicas_equal_one_rank():
     # expert 0 on every rank, expert 1 on two (the routing favours both)
     pl = ExpertPlacement(num_experts=E, world_size=3, replicas=[[
         [(0, 0), (1, 0), (2, 0)], [(0, 1), (2, 1)], [(1, 1)], [(1, 2)], [(2, 2)], [(0, 2)], [(1, 3)]]])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store = host_store(3)  # held until the workers are done
+    port = store.port
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, 3, port, pl.to_dict(), q)) for r in range(3)]
@@ -261,7 +260,7 @@ def test_rebalance_running_cluster_mid_generation(ray_session, model_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(model=model_path, ranks=2, max_model_len=128, kv_cache_bytes=4 << 20) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, params)]
-        W, mc = 2, llm.cluster.model_config
+        mc = llm.cluster.model_config
         skew = [[1000 if e == 0 else 10 * (e + 1) for e in range(mc.num_experts)] if mc.moe_layers[l]
                 else [0] * mc.num_experts for l in range(mc.num_layers)]
         streams = [llm.stream(p, params) for p in prompts]

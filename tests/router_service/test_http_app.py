@@ -294,19 +294,15 @@ def test_api_key(llm):
         assert c.get("/health").status_code == 200  # probes need no key
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_client_disconnect_mid_stream_frees_kv(llm):
     """A real HTTP server (uvicorn on 127.0.0.1): closing the socket mid-stream aborts the request."""
     import uvicorn
 
-    port = _free_port()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # the server takes the bound socket: no free-port race
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(create_app(llm.router), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     try:
         deadline = time.monotonic() + 20

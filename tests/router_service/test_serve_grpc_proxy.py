@@ -5,13 +5,13 @@ blocks, and the API key."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import grpc
 import pytest
 import yaml
 
+from actors.rendezvous import free_port
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 
@@ -20,12 +20,6 @@ pytestmark = pytest.mark.ray
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 APP = "moeray"
 KEY = "proxy-s3cret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def md(key: str | None = KEY) -> list[tuple[str, str]]:
@@ -47,10 +41,10 @@ def stub(ray_session, tiny_moe_dir):
         cfg = yaml.safe_load(f)
     (app_cfg,) = cfg["applications"]
     # Serve's gRPC proxy binds [::]:port (no host option in Serve 2.60): a free port keeps the test private enough
-    grpc_options = {**cfg["grpc_options"], "port": _free_port()}
+    grpc_options = {**cfg["grpc_options"], "port": free_port()}
     args = ServeAppArgs.model_validate({**app_cfg["args"], "model": tiny_moe_dir, "ranks": 1, "api_key": KEY,
                                        "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
-    serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, grpc_options=grpc_options)
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, grpc_options=grpc_options)
     try:
         serve.run(build_app(args), name=APP, route_prefix="/")  # returns once the replica is up
         ch = grpc.insecure_channel(f"127.0.0.1:{grpc_options['port']}")

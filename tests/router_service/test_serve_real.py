@@ -6,25 +6,19 @@ import http.client
 import importlib
 import json
 import os
-import socket
 import time
 
 import grpc
 import pytest
 import yaml
 
+from actors.rendezvous import free_port
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(port, method, path, body=None, timeout=60):
@@ -47,7 +41,7 @@ def served(ray_session, tiny_moe_dir):
         (app_cfg,) = yaml.safe_load(f)["applications"]
     mod, attr = app_cfg["import_path"].split(":")
     builder = getattr(importlib.import_module(mod), attr)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     args = ServeAppArgs.model_validate({**app_cfg["args"], "model": tiny_moe_dir, "ranks": 1, "grpc_port": grpc_port,
                                        "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})

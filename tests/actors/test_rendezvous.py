@@ -1,0 +1,30 @@
+"""The rendezvous store holds its port from the bind on: the free-port recipe it replaced (bind, read, close,
+bind again in rank 0) lost the port to another process in CI, and rank 0 died with EADDRINUSE."""
+from __future__ import annotations
+
+import errno
+import socket
+
+import pytest
+
+from actors.rendezvous import host_store, join_store
+
+
+def test_the_store_port_cannot_be_taken_while_the_store_lives():
+    store = host_store(2, timeout_s=5.0)
+    with socket.socket() as s, pytest.raises(OSError) as e:
+        s.bind(("127.0.0.1", store.port))
+    assert e.value.errno == errno.EADDRINUSE
+    client = join_store("127.0.0.1", store.port, 2, timeout_s=5.0)
+    client.set("rank1", "up")
+    assert store.get("rank1") == b"up"
+
+
+def test_only_rank_zero_opens_the_rendezvous():
+    from actors.dispatch import ExpertPlacement
+    from actors.rank_actor import RankWorker
+
+    # the constructor loads nothing (weights come in setup)
+    w = RankWorker(1, 2, {"model": "unused"}, ExpertPlacement.contiguous(1, 4, 2).to_dict(), num_threads=0)
+    with pytest.raises(ValueError, match="rank 0"):
+        w.open_rendezvous()
