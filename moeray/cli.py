@@ -34,7 +34,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(p)
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
-    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per prompt per line (else the completion text; with several prompts, each "
+                        "after a '--- prompt i/n: PROMPT ---' line)")
     p.add_argument("--stats", action="store_true", help="print the cluster expert-load snapshot to stderr")
     p.set_defaults(func=cmd_generate)
 
@@ -180,7 +182,7 @@ def cmd_generate(a) -> int:
     finally:
         llm.shutdown()
     failed = 0
-    for o in outs:
+    for i, o in enumerate(outs):
         if o.finish_reason == "error":
             failed += 1
             print(f"moeray: prompt {o.prompt!r} failed: {o.error}", file=sys.stderr)
@@ -188,6 +190,8 @@ def cmd_generate(a) -> int:
             print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
                               "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}))
         elif o.finish_reason != "error":
+            if len(outs) > 1:  # a header per prompt: completions may hold newlines and blank lines themselves
+                print(f"--- prompt {i + 1}/{len(outs)}: {o.prompt!r} ---")
             print(o.text)
     sys.stdout.flush()
     return 1 if failed else 0

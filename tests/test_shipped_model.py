@@ -49,6 +49,14 @@ def test_cli_two_ranks_equal_one_rank_equal_transformers(ray_session):
         if x["finish_reason"] == "length":
             assert len(x["token_ids"]) == N
     assert compared >= N  # at least a prompt's worth of tokens compared
+    # plain text: each completion after a header line naming its prompt
+    cmd = [sys.executable, "-m", "moeray.cli", "generate", "--ranks", "1", "--temperature", "0",
+           "--max-tokens", str(N), "--address", address, *PROMPTS]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = "".join(f"--- prompt {i + 1}/{len(PROMPTS)}: {p!r} ---\n{x['text']}\n"
+                   for i, (p, x) in enumerate(zip(PROMPTS, one)))
+    assert r.stdout == want
 
 
 def test_cli_bad_prompt_exit_status(ray_session):
