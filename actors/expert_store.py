@@ -65,6 +65,7 @@ from actors.packed_checkpoint import (
 from kernels.cpu_kernels import MAX_KERNEL_ROWS, PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
 from kernels.cpu_kernels import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
+from router_service.routing.gating import POLICIES, GatingBatch
 from router_service.routing.prefetch import (
     DEFAULT_PREDICTOR,
     PREDICTORS,
@@ -75,6 +76,7 @@ from router_service.routing.prefetch import (
     TransitionCounts,
     fit_lookahead_gates,
     fit_loglinear,
+    keep_previous_first,
     make_predictor,
 )
 from router_service.routing.stats import RoutingStats, jaccard_distance
@@ -844,7 +846,7 @@ class ExpertRuntime:
             self.on_route(l, ids)
 
         def forward(input_ids_T, positions_T, cache, meta, *args, **kw):
-            self.begin_step(meta, input_ids_T.shape[0])
+            self.begin_step(meta, input_ids_T.shape[0], kw.get("gating", args[0] if args else None))
             return inner(input_ids_T, positions_T, cache, meta, *args, **kw)
 
         model.on_route = on_route
@@ -863,9 +865,10 @@ class ExpertRuntime:
             self._model = None
         self.worker.close()
 
-    def begin_step(self, meta, num_tokens: int) -> None:
+    def begin_step(self, meta, num_tokens: int, gating: GatingBatch | None = None) -> None:
         """Map the step's tokens to sequences: key (first KV block) per token, index of the previous token;
-        predict and prefetch the first MoE layer from the previous tokens.
+        predict and prefetch the first MoE layer from the previous tokens. `gating`: the step's per-token policies
+        (tokens routed by `sticky` are predicted with their predecessor's experts first, `keep_previous_first`).
 
         The hooks do their bookkeeping on the forward thread (compiled calls for decode steps, ~50 us per layer
         on tiny-moe) and hand only the fills to the worker: queueing every hook on the worker cost more in thread
@@ -876,6 +879,7 @@ class ExpertRuntime:
         self._ids_t: dict[int, torch.Tensor] = {}  # the same routing as int64 tensors (compiled step)
         self._hidden: dict[int, torch.Tensor] = {}
         self._pred: dict[int, torch.Tensor] = {}
+        self._sticky: list[bool] | None = None
         if T == 0 or not self._observing:
             return
         key = [-1] * T
@@ -895,12 +899,40 @@ class ExpertRuntime:
         self._small = T * self.num_experts <= SMALL_STEP_CELLS
         self._key = key
         self._prev = prev if self._small else torch.tensor(prev, dtype=torch.int64)
+        self._sticky = self._sticky_tokens(gating, T)
         if self.prefetching and self.first_moe is not None and self._decode:
             l = self.first_moe
             if self._small:
                 self._predict_small(l, None, self._prev_tok_lists(l, None), None)
             else:
                 self._predict_and_prefetch(l, None, self._prev_token_ids(l, None), None)
+
+    def _sticky_tokens(self, gating: GatingBatch | None, T: int) -> list[bool] | None:
+        """Per token, True where the `sticky` policy routes it; None when no token is (the common case)."""
+        router = getattr(self._model, "gating_router", None)
+        if gating is None or router is None:
+            return None
+        if gating.policy_T is None:
+            return [True] * T if router.cfg.policy == "sticky" else None
+        flags = (gating.policy_T == POLICIES.index("sticky")).tolist()
+        return flags if any(flags) else None
+
+    def _keep_previous(self, pred: list[list[int]], prev_tok: list[list[int]], agg: list[float],
+                       top: list[float]) -> tuple[list[list[int]], list[float], list[float]]:
+        """The prediction for `sticky` tokens: their predecessor's experts first (`keep_previous_first`), each
+        counted as a sure use in `agg` (expected uses in the batch) and `top` (best per-token probability)."""
+        if self._sticky is None:
+            return pred, agg, top
+        agg, top, sure = list(agg), list(top), {}
+        for t, on in enumerate(self._sticky):
+            if on and prev_tok[t]:
+                pred[t] = keep_previous_first(pred[t], prev_tok[t], self.budget)
+                for g in prev_tok[t]:
+                    if g >= 0:
+                        sure[g] = sure.get(g, 0) + 1
+        for g, n in sure.items():
+            agg[g], top[g] = max(agg[g], float(n)), 1.0
+        return pred, agg, top
 
     def _prev_tok_lists(self, l: int, ids: list[list[int]] | None) -> list[list[int]]:
         """Per token, its predecessor's experts at layer l ([] where unknown); the list form of
@@ -986,9 +1018,10 @@ class ExpertRuntime:
         ids = ids_TK.tolist()
         prev_tok = self._prev_tok_lists(l, ids)
         p_prev = self._pred.pop(l, None)
+        next_prev = None if nl is None else self._prev_tok_lists(nl, None)
         res = prefetch_step(tabs, l, ids_TK, p_prev, self._ids_t.get(self.prev_moe.get(l)), prev_tok,
                             nl, m.alpha, MarkovPredictor._weights_list(pred, nl) if nl is not None else None,
-                            None if nl is None else self._prev_tok_lists(nl, None), h_TD, look,
+                            next_prev, h_TD, look,
                             pred.lookahead.norm_eps if look is not None else 0.0, self.budget)
         if res is None:
             if p_prev is not None:
@@ -1008,6 +1041,7 @@ class ExpertRuntime:
         self._last[l] = {k: ids[t] for t, k in enumerate(self._key) if k >= 0}
         if nxt is not None:
             p_next, agg, top = nxt
+            p_next, agg, top = self._keep_previous(p_next, next_prev, agg, top)
             self._pred[nl] = p_next
             self._prefetch(nl, sorted({g for r in p_next for g in r}), agg, top)
         return True
@@ -1046,24 +1080,31 @@ class ExpertRuntime:
         # sorted(reverse=True) is stable: equal scores keep the lower id first, as heapq.nlargest would (faster
         # at E <= a few hundred)
         pred = [sorted(rng, key=row.__getitem__, reverse=True)[:B] for row in s]
-        self._pred[layer] = pred
         if len(s) == 1:
             agg = top = s[0]
         else:
             agg = [sum(col) for col in zip(*s)]
             top = [max(col) for col in zip(*s)]
+        pred, agg, top = self._keep_previous(pred, prev_tok, agg, top)
+        self._pred[layer] = pred
         self._prefetch(layer, sorted({g for p in pred for g in p}), agg, top)
 
     def _predict_and_prefetch(self, layer: int, prev_layer, prev_tok, hidden) -> None:
         s = self.predictor.scores(layer, prev_layer, prev_tok, hidden, self._T)  # [T, E]
         # a stable sort, not topk: ties go to the lower id, as on the list path (topk's tie order is unspecified)
         pred = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, : self.budget]  # [T, B]
-        self._pred[layer] = pred
         store = self.layers[layer]
-        if store is None or (store.cache.capacity == 0 and store.tier is None):
-            return
-        # [E] expected uses in the batch and best per-token probability, read back once each
-        self._prefetch(layer, ExpertPredictor.union(pred), s.sum(0).tolist(), s.max(0).values.tolist())
+        fills = not (store is None or (store.cache.capacity == 0 and store.tier is None))
+        agg = top = None
+        if fills or self._sticky is not None:
+            # [E] expected uses in the batch and best per-token probability, read back once each
+            agg, top = s.sum(0).tolist(), s.max(0).values.tolist()
+        if self._sticky is not None:
+            rows, agg, top = self._keep_previous(pred.tolist(), prev_tok.tolist(), agg, top)
+            pred = torch.tensor(rows, dtype=torch.int64)
+        self._pred[layer] = pred
+        if fills:
+            self._prefetch(layer, ExpertPredictor.union(pred), agg, top)
 
     def _prefetch(self, layer: int, union: list[int], agg: list[float], top: list[float]) -> None:
         """Queue the predicted experts `union` (global ids) of `layer`: the likeliest (by `agg`, expected uses

@@ -12,7 +12,8 @@ do when a rank serves them. Per policy and domain:
 - thrash: mean Jaccard distance between consecutive tokens' expert sets (router_service.routing.stats);
 - experts/token: routed experts used per token (dynamic and velocity vary it);
 - recall: prequential recall of the default prefetch predictor (seeded from the model's transition counts,
-  with the hidden states its lookahead term reads) on the policy's routing, budget k + 1;
+  with the hidden states its lookahead term reads) on the policy's routing, budget k + 1; for `sticky` as the
+  engine predicts it, the previous token's experts first (`keep_previous_first`);
 - decode ms/token: median batch-1 decode step time with the policy (noisy on a shared machine: compare
   within a run).
 
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, ln in enumerate(lens[: max(1, len(lens) // 4)]):  # a quarter of the tokens (prequential is slow)
                 traces.append(RoutingTrace(ids=ids[at : at + ln], hidden=hid[i]))
                 at += ln
-            st = prequential_eval({"p": pred}, traces, budget=K + 1)["p"].c
+            # as the engine predicts for the policy (`sticky`: the previous token's experts first)
+            st = prequential_eval({"p": pred}, traces, budget=K + 1, keep_previous=pol == "sticky")["p"].c
             r["recall"][d] = sum(v["pred_inter"] for v in st.values()) / max(sum(v["true_n"] for v in st.values()), 1)
         if not a.no_decode:
             eng.model.gating_router = new_router(eng, gcfg)

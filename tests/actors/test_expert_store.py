@@ -380,3 +380,57 @@ def test_prefetch_worker_thread_ends_when_the_worker_is_dropped():
     gc.collect()
     t.join(timeout=5)
     assert not t.is_alive()
+
+
+def _sticky_predictions(path: str, deployment: str, request: str | None, path_kind: str, monkeypatch) -> tuple:
+    """Decode one sequence; per decode step and MoE layer after the first: (prediction made for the layer, the
+    previous step's routing at that layer). Returns (pairs, runtime)."""
+    import actors.expert_store as es
+    from kernels import cpu_kernels
+
+    if path_kind == "lists":
+        monkeypatch.setattr(cpu_kernels, "_lib", None)
+        monkeypatch.setattr(cpu_kernels, "_tried", True)
+    elif path_kind == "tensor":
+        monkeypatch.setattr(es, "SMALL_STEP_CELLS", 0)
+    eng = make_engine(path, weight_bits=4, expert_cache_capacity=2, prefetch="hybrid", gating=deployment)
+    rt = eng.expert_runtime
+    routed: dict[int, list[int]] = {}
+    pairs = []
+    inner = rt.on_route
+
+    def on_route(l, ids):
+        pred = rt._pred.get(l)
+        if ids.shape[0] == 1 and pred is not None and l in routed:  # a decode step with a prediction for l
+            row = pred[0] if isinstance(pred, list) else pred[0].tolist()
+            pairs.append((list(row), routed[l]))
+        routed[l] = ids[-1].tolist()  # after the prefill: its last token, the first decode token's predecessor
+        inner(l, ids)
+
+    rt.on_route = on_route
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, gating=request)
+    eng.add_request(GenerateRequest(request_id="s", prompt_ids=PROMPTS[0], params=params.to_dict()))
+    for _ in range(100):
+        if any(o.finish_reason for o in eng.step()):
+            return pairs, rt
+    raise AssertionError("engine did not finish")
+
+
+@pytest.mark.parametrize("path_kind", ["compiled", "lists", "tensor"])
+@pytest.mark.parametrize("deployment,request_policy", [("sticky", None), ("exact", "sticky")])
+def test_sticky_tokens_are_predicted_with_their_previous_experts_first(qwen_dir, monkeypatch, path_kind,
+                                                                       deployment, request_policy):
+    """Under `sticky` (the deployment's policy or the request's), each decode token's prediction for a layer holds
+    its predecessor's experts at that layer and fills the budget (k + 1) from the predictor; under `exact` it is
+    the predictor's own ranking, which here leaves some of them out."""
+    from kernels import cpu_kernels
+
+    if path_kind == "compiled" and not cpu_kernels.cpu_kernels_available():
+        pytest.skip("no compiled CPU kernels here")
+    pairs, rt = _sticky_predictions(qwen_dir, deployment, request_policy, path_kind, monkeypatch)
+    assert len(pairs) >= 8
+    for pred, prev in pairs:
+        assert len(pred) == len(set(pred)) == rt.budget
+        assert set(prev) <= set(pred), (pred, prev)
+    exact, _ = _sticky_predictions(qwen_dir, "exact", None, path_kind, monkeypatch)
+    assert any(not set(prev) <= set(pred) for pred, prev in exact)

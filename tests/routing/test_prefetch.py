@@ -17,6 +17,7 @@ from router_service.routing.prefetch import (
     RoutingTrace,
     TransitionCounts,
     fit_lookahead_gates,
+    keep_previous_first,
     fit_loglinear,
     make_predictor,
     prequential_eval,
@@ -341,3 +342,24 @@ def test_lookahead_gates_round_trip_and_replace_the_router_gates(tmp_path):
     with pytest.raises(ValueError, match="ridge"):
         fit_lookahead_gates([], gates, ridge=-1.0)
     assert fit_lookahead_gates([RoutingTrace(ids=torch.zeros(3, L, K, dtype=torch.int64))], gates) == {}
+
+
+def test_keep_previous_first():
+    # previous experts first (unknown -1 skipped, no repeats), then the predictor's ranking up to the budget
+    assert keep_previous_first([4, 1, 7, 2], [7, 3], 3) == [7, 3, 4]
+    assert keep_previous_first([4, 1, 7], [-1, -1], 3) == [4, 1, 7]
+    assert keep_previous_first([4, 1, 7], [1, 1], 3) == [1, 4, 7]
+    assert keep_previous_first([4, 1], [5, 6, 7], 2) == [5, 6]
+
+
+def test_prequential_eval_keep_previous_scores_the_sticky_prediction():
+    # a sequence that keeps expert 3 at layer 1 throughout: the frequency predictor (seeded towards expert 0)
+    # misses it at budget 1 until it has learned; with keep_previous every token after the first predicts it
+    ids = torch.tensor([[[0], [3]]] * 6)  # [T=6, L=2, K=1]
+    counts = TransitionCounts.zeros(2, 4)
+    counts.freq[1, 0] = 100.0
+    plain = prequential_eval({"f": FrequencyPredictor(2, 4, 1, counts=counts.clone())}, [RoutingTrace(ids=ids)],
+                             budget=1)["f"].c[1]
+    kept = prequential_eval({"f": FrequencyPredictor(2, 4, 1, counts=counts.clone())}, [RoutingTrace(ids=ids)],
+                            budget=1, keep_previous=True)["f"].c[1]
+    assert plain["pred_inter"] == 0 and kept["pred_inter"] == 5 and kept["true_n"] == 6
