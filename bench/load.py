@@ -284,7 +284,8 @@ class Timer:
 
 async def http_stream(session: aiohttp.ClientSession, base: str, s: Spec, tally: Tally) -> tuple[str, str]:
     """Returns (outcome, detail); outcome in completed | disconnected | failed | overloaded."""
-    body = {"max_tokens": s.max_tokens, "temperature": s.temperature, "stream": True}
+    body = {"max_tokens": s.max_tokens, "temperature": s.temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
     if s.chat:
         url, body["messages"] = base + "/v1/chat/completions", [{"role": "user", "content": s.text}]
     else:

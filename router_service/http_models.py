@@ -20,10 +20,11 @@ MAX_SEED = 2**63
 
 
 class StreamOptions(BaseModel):
-    """`include_usage` defaults to true here (the OpenAI default is false): the last SSE event before
-    `[DONE]` carries `usage` with `choices: []`."""
+    """`include_usage` (default false, as in OpenAI and vLLM): the last SSE event before `[DONE]` carries
+    `usage` with `choices: []`. Off by default because clients that read `chunk.choices[0]` of every chunk
+    fail on that event."""
 
-    include_usage: bool = True
+    include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -88,7 +89,7 @@ class SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options.include_usage if self.stream_options else True
+        return self.stream_options.include_usage if self.stream_options else False
 
     def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
         """SamplingParams of choice `index` (a given seed is offset by the index so n > 1 choices differ)."""

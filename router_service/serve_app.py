@@ -3,7 +3,7 @@ the EP cluster.
 
 Routes (see `router_service.http_models` for the request fields and their limits):
   POST /v1/completions, POST /v1/chat/completions  JSON, or SSE with `"stream": true` (the last event
-      before `data: [DONE]` carries `usage`, `choices: []`; turn it off with `stream_options.include_usage`)
+      before `data: [DONE]` carries `usage`, `choices: []`, when `stream_options.include_usage` is true)
   GET /v1/models, GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
 Status codes: 400 bad input (`error.param` names the field, `error.message` the value and the limit),
 401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
@@ -245,8 +245,10 @@ class OpenAIServer:
                     self.router.abort(s.request_id)
 
     @staticmethod
-    def usage(streams: list[RequestStream], completion: list[int]) -> dict:
-        p = sum(s.out.prompt_tokens for s in streams)
+    def usage(streams: list[RequestStream], completion: list[int], n: int = 1) -> dict:
+        """OpenAI `usage`: each prompt counted once (its `n` choices are streams i*n .. i*n+n-1, as OpenAI and
+        vLLM count them), completion tokens summed over every choice."""
+        p = sum(s.out.prompt_tokens for s in streams[::n])
         c = sum(completion)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
@@ -343,7 +345,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                         {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
                        for i in range(len(streams))]
             m.requests.labels(path, "200").inc()
-            return {**base, "object": obj, "choices": choices, "usage": srv.usage(streams, completion)}
+            return {**base, "object": obj, "choices": choices, "usage": srv.usage(streams, completion, req.n)}
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -373,7 +375,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                         choice = {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
                     yield event({**base, "object": chunk_obj, "choices": [choice]})
             if not failed and req.include_usage:
-                yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion)})
+                yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion, req.n)})
             yield "data: [DONE]\n\n"
 
         m.requests.labels(path, "200").inc()

@@ -91,7 +91,7 @@ def test_per_request_gating_policy(client, llm):
 def test_completion_stream_with_usage(client, llm):
     full = complete(client, max_tokens=10).json()["choices"][0]["text"]
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "temperature": 0,
-                                                        "ignore_eos": True, "stream": True}) as r:
+                                                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         ev = sse_events(r)
     assert ev[-1] == "[DONE]"
@@ -103,11 +103,15 @@ def test_completion_stream_with_usage(client, llm):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
 
 
-def test_stream_without_usage(client):
-    with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "stream": True,
-                                                        "stream_options": {"include_usage": False}}) as r:
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+def test_stream_without_usage(client, options):
+    # the OpenAI default: no usage event unless asked (clients index chunk.choices[0] of every chunk)
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    with client.stream("POST", "/v1/completions", json=body) as r:
         ev = sse_events(r)
-    assert ev[-1] == "[DONE]" and all("usage" not in e for e in ev[:-1])
+    assert ev[-1] == "[DONE]" and all("usage" not in e and len(e["choices"]) == 1 for e in ev[:-1])
 
 
 def test_sampled_stream_text_is_whole_characters(client, llm):
@@ -118,9 +122,9 @@ def test_sampled_stream_text_is_whole_characters(client, llm):
         ref = complete(client, **body).json()["choices"][0]["text"]
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             ev = sse_events(r)
-        streamed = "".join(c["choices"][0]["text"] for c in ev[:-2])
+        streamed = "".join(c["choices"][0]["text"] for c in ev[:-1])  # no usage event: not asked for
         assert streamed == ref  # same seed, same tokens
-        assert all(not c["choices"][0]["text"].endswith("\ufffd") for c in ev[:-3])
+        assert all(not c["choices"][0]["text"].endswith("\ufffd") for c in ev[:-2])
     # and the text equals a decode of the ids the router produced (a character cut by max_tokens ends as U+FFFD)
     from actors.sampling import SamplingParams
 
@@ -136,7 +140,7 @@ def test_stop_string_held_back_in_stream(client):
     with client.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
                                                         "ignore_eos": True, "stop": stop, "stream": True}) as r:
         ev = sse_events(r)
-    chunks = ev[:-2]
+    chunks = ev[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == full[: full.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
@@ -147,6 +151,10 @@ def test_n_and_batch(client):
     d = r.json()
     assert sorted(c["index"] for c in d["choices"]) == [0, 1, 2, 3]
     assert d["usage"]["completion_tokens"] == 16
+    # each prompt counted once, not once per choice (as OpenAI and vLLM count)
+    tok = client.app.state.server.router.tokenizer
+    want = len(tok.encode(PROMPT).ids) + len(tok.encode("def add(a, b):").ids)
+    assert d["usage"]["prompt_tokens"] == want and d["usage"]["total_tokens"] == want + 16
 
 
 def test_chat_completion_default_template(client, llm):
@@ -163,7 +171,7 @@ def test_chat_completion_default_template(client, llm):
     assert d["choices"][0]["message"] == {"role": "assistant", "content": ref.text}
     assert d["usage"]["prompt_tokens"] == ref.prompt_tokens
     with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0,
-                                                             "ignore_eos": True, "stream": True}) as r:
+                                                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
         ev = sse_events(r)
     assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev[1:-2]) == ref.text
@@ -172,7 +180,7 @@ def test_chat_completion_default_template(client, llm):
 
 def test_chat_default_max_tokens_fills_context(client, llm):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
-                                                  "ignore_eos": True, "stream": True})
+                                                  "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     ev = sse_events(r)
     u = ev[-2]["usage"]
     assert u["total_tokens"] == llm.router.cfg.max_model_len

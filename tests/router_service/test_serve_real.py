@@ -66,7 +66,8 @@ def test_http_through_serve(served):
     status, body = _request(port, "POST", "/v1/completions", {"prompt": "To be", "max_tokens": -3})
     assert status == 400 and json.loads(body)["error"]["param"] == "max_tokens"
     status, body = _request(port, "POST", "/v1/completions", {"prompt": "To be", "max_tokens": 5, "temperature": 0,
-                                                              "ignore_eos": True, "stream": True})
+                                                              "ignore_eos": True, "stream": True,
+                                                              "stream_options": {"include_usage": True}})
     assert status == 200
     events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 5
