@@ -64,6 +64,28 @@ def _validate(a) -> str | None:
     return None
 
 
+def _port_problem(a) -> str | None:
+    """Where this machine's servers would bind (a private local Ray: the Serve proxies and the replica run here),
+    a port that cannot be bound now, named by its flag. Serve's HTTP proxy shares a port with another listener
+    that set SO_REUSEPORT (a second `moeray serve` on the same port) without an error, and a plainly busy port
+    fails only ~10 s later inside Ray with a traceback; a test bind catches both at once."""
+    import socket
+
+    if not owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
+        return None  # the proxies and the replica may run on other nodes
+    checks = [("--http-port", a.host, a.http_port)] if a.http_port else []
+    if a.grpc_port:
+        checks.append(("--grpc-port", "0.0.0.0" if a.grpc_proxy else a.host, a.grpc_port))
+    for flag, host, port in checks:
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+        except OSError as e:
+            return f"{flag}={port}: cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
+    return None
+
+
 def owns_local_ray(address: str | None) -> bool:
     """True when `ray.init(address=address)` starts a new local Ray (no address, or `local`)."""
     return not address or address == "local"
@@ -112,7 +134,7 @@ def init_ray(address: str | None) -> None:
 
 
 def cmd_serve(a) -> int:
-    err = _validate(a)
+    err = _validate(a) or _port_problem(a)
     if err:
         print(f"moeray: error: {err}", file=sys.stderr)
         return 2
@@ -152,13 +174,21 @@ def cmd_serve(a) -> int:
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
     try:
         _wait_for_signal()
-        _drain(serve)
+        # in a thread: Serve's handle lookup has no timeout of its own (seen blocking when the app never came up)
+        t = threading.Thread(target=_drain, args=(serve,), name="moeray-drain", daemon=True)
+        t.start()
+        t.join(DRAIN_S + 40)
+        if t.is_alive():
+            print("moeray: drain did not answer; shutting down", file=sys.stderr)
     finally:
         serve.shutdown()
     return 0
 
 
-def _drain(serve, timeout_s: float = 30.0) -> None:
+DRAIN_S = 30.0  # seconds requests in flight may run on after SIGINT / SIGTERM
+
+
+def _drain(serve, timeout_s: float = DRAIN_S) -> None:
     """Before Serve stops its proxies: let requests in flight finish (up to `timeout_s` s) and end the rest with
     a final retriable error event, so no client stream is cut without one (`MoerayServer.drain`)."""
     import time

@@ -53,3 +53,26 @@ def test_engine_flags_reach_the_cluster_options():
     from cluster.config import ClusterConfig
 
     ClusterConfig(**kw).engine_config()  # accepted as is
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_busy_port_exits_2_before_ray(tiny_model_dir, capsys, monkeypatch, flag):
+    """A port already listened on: exit 2 naming the flag (Serve's proxy would share a SO_REUSEPORT port with
+    another `moeray serve` silently, or fail ~10 s later inside Ray)."""
+    import socket
+
+    import ray
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as uvicorn in Serve's proxy
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        other = {"--http-port": "--grpc-port", "--grpc-port": "--http-port"}[flag]
+        argv = ["serve", "--model", tiny_model_dir("qwen2_moe"), flag, str(port), other, "0"]
+        was_up = ray.is_initialized()
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}={port}: cannot listen on 127.0.0.1:{port}" in err
+    assert ray.is_initialized() == was_up  # refused before Ray
