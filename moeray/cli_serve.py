@@ -17,6 +17,7 @@ a cluster, set RAY_AUTH_MODE and RAY_AUTH_TOKEN as that cluster requires.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -62,6 +63,17 @@ def _validate(a) -> str | None:
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         return f"--model={a.model!r}: no config.json there"
     return None
+
+
+class _DropRecord(logging.Filter):
+    """Drops log records whose message contains `text`."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def _port_problem(a) -> str | None:
@@ -169,7 +181,14 @@ def cmd_serve(a) -> int:
     serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
     # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
     app = build_app(args)
-    serve.run(app, name="moeray", route_prefix="/", blocking=False)
+    # serve.run re-enters serve.start, which logs "Connecting to existing Serve app ... New http_options ... will
+    # not be applied" about the instance started just above with those very options: drop that one line
+    quiet = _DropRecord("New http_options/controller_options will not be applied")
+    logging.getLogger("ray.serve").addFilter(quiet)
+    try:
+        serve.run(app, name="moeray", route_prefix="/", blocking=False)
+    finally:
+        logging.getLogger("ray.serve").removeFilter(quiet)
     grpc_at = f", gRPC on {'[::] (Serve proxy)' if a.grpc_proxy else a.host}:{a.grpc_port}" if a.grpc_port else ""
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
     try:
