@@ -150,7 +150,8 @@ def main():
     ray.shutdown()
 
     names = ["transformers", "moeray 1 rank", "moeray 2 ranks"]
-    print(f"\nmodel: {args.model}; {n} forced tokens, {runs} runs, 1 torch thread per process")
+    print(f"\nmodel: {args.model}; {n} forced tokens, {runs} runs, 1 torch thread per process; tok/s columns: "
+          f"{n_tp} tokens per sequence{' (--quick: half the full run, so the per-request start-up weighs twice as much)' if args.quick else ''}")
     hdr = "| engine | TPOT batch 1 (ms) | ratio vs transformers | " + " | ".join(f"tok/s @{c}" for c in conc) + " |"
     print(hdr)
     print("|" + "---|" * (3 + len(conc)))
