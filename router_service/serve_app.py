@@ -34,6 +34,7 @@ import uuid
 from contextlib import aclosing
 from typing import AsyncIterator
 
+import grpc
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -409,6 +410,32 @@ def resolve_args(args: ServeAppArgs) -> dict:
     return kw
 
 
+# Status codes that mean "the client asked for something wrong or was refused", not a server fault
+CLIENT_ERROR_CODES = frozenset(getattr(grpc.StatusCode, n) for n in (
+    "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "UNAUTHENTICATED",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"))
+
+
+class ClientErrorLogFilter(logging.Filter):
+    """Shortens Serve's log record of a proxied gRPC call that ended with a client-error status (an `RpcError`
+    with a code in CLIENT_ERROR_CODES, raised by `_fail`, possibly wrapped by Serve in `gRPCStatusError`): one
+    INFO line `gRPC call ended with INVALID_ARGUMENT: <details>` instead of an ERROR with a traceback, which
+    under load buried the real faults. Installed on the replica's `ray.serve` logger; Serve's proxy process
+    still logs its own line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        for _ in range(4):  # RpcError, or Serve's wrapper (original_exception) / the `raise ... from` chain
+            if exc is None or isinstance(exc, RpcError):
+                break
+            exc = getattr(exc, "original_exception", None) or exc.__cause__
+        if isinstance(exc, RpcError) and exc.code in CLIENT_ERROR_CODES:
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "gRPC call ended with %s: %s", (exc.code.name, exc.details), None, None)
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 try:
     from ray import serve
 except ImportError:  # pragma: no cover - ray[serve] is a dependency; keep create_app importable without it
@@ -451,6 +478,8 @@ if serve is not None:
             from cluster.launcher import EPCluster
 
             self.args = ServeAppArgs.model_validate(args)
+            if not any(isinstance(f, ClientErrorLogFilter) for f in logging.getLogger("ray.serve").filters):
+                logging.getLogger("ray.serve").addFilter(ClientErrorLogFilter())
             self.api_key = self.args.api_key if self.args.api_key is not None else os.environ.get("MOERAY_API_KEY")
             cfg = ClusterConfig(**resolve_args(self.args))
             self.router = Router(EPCluster(cfg), max_queue=self.args.max_queue)

@@ -130,3 +130,34 @@ def test_client_cancel_aborts_and_frees_kv_blocks(stub):
         if stopped_early[-1]:
             break
     assert any(stopped_early), stopped_early
+
+
+def test_client_errors_are_logged_as_one_line():
+    """Serve logs a raised gRPC status with a traceback at ERROR; a client error becomes one INFO line, a server
+    fault keeps its traceback."""
+    import logging
+    import sys
+
+    from router_service.grpc_server import RpcError
+    from router_service.serve_app import ClientErrorLogFilter
+
+    class Wrapped(Exception):  # as Serve's gRPCStatusError carries the method's exception
+        def __init__(self, original):
+            super().__init__("wrapped")
+            self.original_exception = original
+
+    def record(exc):
+        try:
+            raise exc
+        except Exception:
+            return logging.LogRecord("ray.serve", logging.ERROR, __file__, 1, "Request failed.", (), sys.exc_info())
+
+    f = ClientErrorLogFilter()
+    bad = RpcError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=0 must be >= 1")
+    for exc in (bad, Wrapped(bad)):
+        r = record(exc)
+        assert f.filter(r) and r.levelno == logging.INFO and r.exc_info is None
+        assert r.getMessage() == "gRPC call ended with INVALID_ARGUMENT: max_tokens=0 must be >= 1"
+    for exc in (RpcError(grpc.StatusCode.INTERNAL, "boom"), RuntimeError("boom")):
+        r = record(exc)
+        assert f.filter(r) and r.levelno == logging.ERROR and r.exc_info is not None
