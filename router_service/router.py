@@ -39,10 +39,22 @@ log = logging.getLogger("moeray.router")
 CHANNEL_SILENCE_S = 15.0
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One generated sequence in vLLM's shape (`RequestOutput.outputs[0]`): `index`, `text`, `token_ids`,
+    `finish_reason`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
 @dataclass(kw_only=True, slots=True)
 class RequestOutput:
     """Final result of one request: generated `text`, `token_ids` (EOS excluded), `finish_reason`
-    (`stop` | `length` | `abort` | `error`), `error` message if any, and timing in seconds."""
+    (`stop` | `length` | `abort` | `error`), `error` message if any, and timing in seconds. Code written for
+    vLLM reads the same through `outputs[0].text` / `.token_ids` / `.finish_reason` and `finished`."""
 
     request_id: str
     prompt: str | list[int]
@@ -53,6 +65,15 @@ class RequestOutput:
     prompt_tokens: int = 0
     ttft_s: float | None = None
     token_times: list[float] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's view: one `CompletionOutput` (one sequence per request here)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class RequestStream:

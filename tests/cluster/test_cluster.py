@@ -67,6 +67,10 @@ def test_streaming_and_seeded_sampling(llm2):
     assert sum(len(c.token_ids) for c in chunks) == 12
     again = llm2.generate(["To be"], params)[0]
     assert again.token_ids == stream.out.token_ids  # per-request seed reproduces the draw
+    # vLLM's shape of the same result
+    (seq,) = again.outputs
+    assert again.finished and (seq.index, seq.text, seq.token_ids, seq.finish_reason) == (
+        0, again.text, again.token_ids, "length")
 
 
 def test_bad_input_is_named_and_others_go_on(llm2):
