@@ -44,6 +44,7 @@ class LLM:
             cluster_kw["engine_options"] = opts
         self.config = ClusterConfig.auto(**{k: v for k, v in cluster_kw.items() if v is not None})
         self._started_ray = False
+        self._chat_template = None  # loaded on the first `chat`
         if not ray.is_initialized():
             addr = address or os.environ.get("RAY_ADDRESS")
             if addr:
@@ -75,6 +76,31 @@ class LLM:
         if isinstance(prompts, str):
             prompts = [prompts]
         return self.router.generate(prompts, params or SamplingParams())
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of {"role", "content"} dicts) or to each of
+        several, as vLLM's `LLM.chat`: the model's chat template (tokenizer_config.json `chat_template`, else
+        `router_service.chat_template.DEFAULT_CHAT_TEMPLATE`) renders each conversation with the generation
+        prompt, and that text is the request's `prompt`.
+        Raises:
+            ValueError: a message is not a dict with string `role` and `content` (names it, e.g.
+                `messages[0][1].content`), or the template rejects the conversation."""
+        from router_service.chat_template import load_chat_template
+
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not convs:
+            raise ValueError("messages is empty: give one conversation or a list of them")
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, list) or not conv:
+                raise ValueError(f"messages[{i}] must be a non-empty list of {{'role', 'content'}} dicts")
+            for j, m in enumerate(conv):
+                for k in ("role", "content"):
+                    if not isinstance(m, dict) or not isinstance(m.get(k), str):
+                        raise ValueError(f"messages[{i}][{j}].{k} must be a string")
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.config.model)
+        # a template's own refusal raises InvalidRequestError, a ValueError naming `messages`
+        return self.generate([self._chat_template.render(conv) for conv in convs], params)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
         """Submit one prompt; iterate the returned stream for token outputs as they are produced."""

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from actors.messages import TokenOutput
+from router_service.chat_template import ChatTemplate, load_chat_template
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.grpc_server import MoerayRpc, RpcError, api_key_ok, params_error_field, served_model_name
 from router_service.http_models import (ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields,
@@ -50,65 +51,9 @@ from router_service.router import RequestStream, Router
 
 log = logging.getLogger("moeray.http")
 
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # `grpc_options.grpc_servicer_functions` entry that puts moeray.v1.Moeray on Serve's gRPC proxy
 GRPC_SERVICER_FUNCTION = "router_service.proto.moeray.v1.moeray_pb2_grpc.add_MoerayServicer_to_server"
-
-
-# ---------------------------------------------------------------------------------------------- chat template
-class ChatTemplate:
-    """A Jinja chat template rendered in an immutable sandbox (templates come with checkpoints).
-
-    Args:
-        source: template text. bos_token / eos_token: strings the template may use.
-    Raises (from `render`):
-        InvalidRequestError: the template rejects the conversation (`raise_exception`) or fails.
-    """
-
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = "default"):
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise InvalidRequestError("messages", msg)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source)
-        self.bos_token, self.eos_token, self.origin = bos_token, eos_token, origin
-
-    def render(self, messages: list[dict]) -> str:
-        try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
-        except InvalidRequestError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a template error is the request's problem, not a 500
-            raise InvalidRequestError("messages", f"chat template failed: {type(e).__name__}: {e}") from e
-
-
-def load_chat_template(model_dir: str) -> ChatTemplate:
-    """The checkpoint's chat template (tokenizer_config.json `chat_template`; a list of named templates
-    picks `default`), else `DEFAULT_CHAT_TEMPLATE`."""
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    cfg: dict = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-
-    def tok(name):
-        v = cfg.get(name) or ""
-        return v.get("content", "") if isinstance(v, dict) else str(v)
-
-    src = cfg.get("chat_template")
-    if isinstance(src, list):
-        src = next((t.get("template") for t in src if t.get("name") == "default"), None)
-    if src:
-        return ChatTemplate(src, tok("bos_token"), tok("eos_token"), origin=path)
-    return ChatTemplate(DEFAULT_CHAT_TEMPLATE, tok("bos_token"), tok("eos_token"))
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -1,6 +1,7 @@
 """The EP cluster on Ray: 2 ranks equal 1 rank, streaming, bad input, idle ranks do not spin."""
 from __future__ import annotations
 
+import re
 import time
 
 import psutil
@@ -71,6 +72,19 @@ def test_streaming_and_seeded_sampling(llm2):
     (seq,) = again.outputs
     assert again.finished and (seq.index, seq.text, seq.token_ids, seq.finish_reason) == (
         0, again.text, again.token_ids, "length")
+
+
+def test_chat_renders_the_template_and_generates(llm2):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    want = llm2.generate(["System: Be brief.\nUser: Hello\nAssistant:"], params)[0]  # the default template
+    one = llm2.chat(conv, params)
+    two = llm2.chat([conv, conv[1:]], params)
+    assert [o.token_ids for o in one] == [want.token_ids] and one[0].prompt == want.prompt
+    assert len(two) == 2 and two[0].token_ids == want.token_ids and two[1].prompt == "User: Hello\nAssistant:"
+    for bad, name in (([{"role": "user"}], "messages[0][0].content"), ([[]], "messages[0]"), ([], "empty")):
+        with pytest.raises(ValueError, match=re.escape(name)):
+            llm2.chat(bad, params)
 
 
 def test_bad_input_is_named_and_others_go_on(llm2):

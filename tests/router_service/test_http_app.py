@@ -11,7 +11,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from router_service.serve_app import DEFAULT_CHAT_TEMPLATE, ChatTemplate, create_app, load_chat_template
+from router_service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, load_chat_template
+from router_service.serve_app import create_app
 from tests.router_service.conftest import start_llm, wait_idle
 
 pytestmark = pytest.mark.ray
