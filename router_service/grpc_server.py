@@ -38,6 +38,7 @@ from dataclasses import fields
 from typing import Iterable
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
 from actors.messages import TokenOutput
 from actors.sampling import SamplingParams
@@ -339,6 +340,10 @@ class GrpcServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="grpc"),
                                   maximum_concurrent_rpcs=max_concurrency)
         pb_grpc.add_MoerayServicer_to_server(servicer, self.server)
+        # server reflection (as Serve's gRPC proxy offers): `grpcurl -plaintext HOST:PORT list` / `describe` work
+        # without the .proto; it exposes the schema only, which ships in the package anyway
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Moeray"].full_name, reflection.SERVICE_NAME), self.server)
         addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             self.port = self.server.add_insecure_port(addr)

@@ -245,3 +245,18 @@ def test_generate_feeds_the_latency_metrics(llm):
         srv.stop()
     assert m.generated_tokens._value.get() == 4
     assert m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
+
+
+def test_server_reflection_describes_the_service(server):
+    """grpcurl-style discovery without the .proto: the service, its methods, their message types."""
+    from google.protobuf.descriptor_pool import DescriptorPool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.address) as ch:
+        db = ProtoReflectionDescriptorDatabase(ch)
+        assert "moeray.v1.Moeray" in db.get_services()
+        svc = DescriptorPool(db).FindServiceByName("moeray.v1.Moeray")
+        methods = {m.name: m for m in svc.methods}
+        assert set(methods) == {"Generate", "Cancel", "Health", "ListModels", "GetClusterStats"}
+        gen_m = methods["Generate"]
+        assert gen_m.input_type.full_name == "moeray.v1.GenerateRequest" and gen_m.server_streaming
