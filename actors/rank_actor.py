@@ -119,8 +119,8 @@ class RankWorker:
               transport: str = "auto") -> dict:
         """Join the process group (if world_size > 1), load weights, start the loop thread.
 
-        master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 reuses its own; a rank 0
-        that has none hosts the store on master_port itself). transport: "auto" also opens the shared-memory
+        master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 uses its own; ValueError
+        if it has none). transport: "auto" also opens the shared-memory
         all-to-all (`actors.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
         the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
         Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
@@ -128,14 +128,9 @@ class RankWorker:
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
             # rendezvous may wait for slow-starting peers; collectives themselves time out after timeout_s
-            wait_s = max(120.0, timeout_s)
-            if self._store is not None:
-                store = self._store
-            elif self.rank == 0:
-                store = dist.TCPStore(master_addr, master_port, self.world_size, is_master=True,
-                                      timeout=timedelta(seconds=wait_s))
-            else:
-                store = join_store(master_addr, master_port, self.world_size, wait_s)
+            if self.rank == 0 and self._store is None:
+                raise ValueError("rank 0 hosts the rendezvous: call open_rendezvous() before setup()")
+            store = self._store or join_store(master_addr, master_port, self.world_size, max(120.0, timeout_s))
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD

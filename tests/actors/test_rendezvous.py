@@ -28,3 +28,6 @@ def test_only_rank_zero_opens_the_rendezvous():
     w = RankWorker(1, 2, {"model": "unused"}, ExpertPlacement.contiguous(1, 4, 2).to_dict(), num_threads=0)
     with pytest.raises(ValueError, match="rank 0"):
         w.open_rendezvous()
+    w0 = RankWorker(0, 2, {"model": "unused"}, ExpertPlacement.contiguous(1, 4, 2).to_dict(), num_threads=0)
+    with pytest.raises(ValueError, match="open_rendezvous"):  # rank 0 never binds a port it was handed
+        w0.setup("127.0.0.1", 1)
