@@ -3,7 +3,7 @@
 Measures what the 2-rank decode step pays per collective on this machine: the MoE dispatch's all-to-all of a
 few rows (fp32, D + 1 columns) and the step agreement (5 int64 per rank) done as an all_reduce(MAX) or as an
 all-to-all of the replicated flags, over torch.distributed and (gloo only) over the same-node shared-memory
-transport that `actors.rank_actor` uses for both (`actors.shm_collective`).
+transport that `actors.rank.worker` uses for both (`actors.rank.shm_collective`).
 
     python bench/collective_latency.py            # 2000 iterations per row
     python bench/collective_latency.py --quick    # 300
@@ -25,8 +25,8 @@ import torch.multiprocessing as mp
 def _worker(rank: int, port: int, backend: str, iters: int, q) -> None:
     torch.set_num_threads(1)
     dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    from actors.rendezvous import join_store
-    from actors.shm_collective import ShmAllToAll
+    from actors.rank.rendezvous import join_store
+    from actors.rank.shm_collective import ShmAllToAll
 
     store = join_store("127.0.0.1", port, 2, 60.0)
     dist.init_process_group(backend, store=store, rank=rank, world_size=2)
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
     iters = 300 if args.quick else 2000
-    from actors.rendezvous import host_store
+    from actors.rank.rendezvous import host_store
     store = host_store(2)  # held until the workers are done
     port = store.port
     ctx = mp.get_context("spawn")

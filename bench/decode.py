@@ -69,7 +69,7 @@ def hf_throughput(model, prompts_ids, n):
 
 
 def moeray_tpot(llm, tok_ids, n, runs):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     out = []
@@ -82,7 +82,7 @@ def moeray_tpot(llm, tok_ids, n, runs):
 
 
 def moeray_throughput(llm, prompts_ids, n):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     p = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ from cluster.config import DEFAULT_MODEL  # noqa: E402
 def trial(llm, victim: int, streams: int, timeout_s: float = 180.0) -> dict:
     import ray
 
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from router_service.errors import EngineError
 
     router = llm.router

@@ -1,7 +1,7 @@
 """Gating policies on the served model: quality, expert and rank balance, router thrash, prefetch recall, speed.
 
 One process, world size 1, fp32 on CPU, the model's held-out text (`<model>/heldout/{prose,code}.txt`).
-Every policy (router_service.routing.gating) routes the same sequences through `RankEngine.prompt_logits`,
+Every policy (actors.moe.gating) routes the same sequences through `RankEngine.prompt_logits`,
 one sequence after another, so per-sequence state (sticky, velocity) and the balancing bias evolve as they
 do when a rank serves them. Per policy and domain:
 
@@ -9,7 +9,7 @@ do when a rank serves them. Per policy and domain:
 - expert max/mean and coefficient of variation (std/mean) of token counts per expert, over consecutive
   4096-token windows of the domain's stream, averaged over windows and MoE layers;
 - rank max/mean with 2 and 4 ranks (contiguous expert placement; rank load = sum of its experts' counts);
-- thrash: mean Jaccard distance between consecutive tokens' expert sets (router_service.routing.stats);
+- thrash: mean Jaccard distance between consecutive tokens' expert sets (actors.moe.stats);
 - experts/token: routed experts used per token (dynamic and velocity vary it);
 - recall: prequential recall of the default prefetch predictor (seeded from the model's transition counts,
   with the hidden states its lookahead term reads) on the policy's routing, budget k + 1; for `sticky` as the
@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from actors.config import ModelConfig
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import decode_tpot, held_out_sequences
-from router_service.routing.gating import POLICIES, GatingConfig, GatingRouter
-from router_service.routing.prefetch import DEFAULT_PREDICTOR, TRANSITIONS_FILE, RoutingTrace, TransitionCounts, make_predictor, prequential_eval
+from actors.moe.gating import POLICIES, GatingConfig, GatingRouter
+from actors.prefetch.predictors import DEFAULT_PREDICTOR, TRANSITIONS_FILE, RoutingTrace, TransitionCounts, make_predictor, prequential_eval
 
 WINDOW = 4096
 
@@ -115,7 +115,7 @@ def balance(ids_NLK: torch.Tensor, E: int, moe: list[int], ranks: int | None = N
 
 
 def thrash(ids_NLK: torch.Tensor, lengths: list[int], E: int, moe: list[int]) -> float:
-    from router_service.routing.stats import jaccard_distance
+    from actors.moe.stats import jaccard_distance
 
     tot, n, a = 0.0, 0, 0
     for ln in lengths:

@@ -48,7 +48,7 @@ def heldout_prompts(model: str, n: int, chars: int) -> list[str]:
 
 def load_from_cluster(args) -> list[list[float]]:
     """expert_load [L][E] after serving the held-out prompts on a fresh cluster."""
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from moeray.api import LLM
 
     prompts = heldout_prompts(args.model, args.prompts, args.prompt_chars)

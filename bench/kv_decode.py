@@ -47,11 +47,11 @@ def prose_ids(model: str, n: int) -> list[int]:
 
 def run_once(model: str, kv_bits: int | None, context: int, batch: int, decode: int, ids: list[int]) -> dict:
     """Median decode step ms and KV bytes per token for one configuration (a fresh engine)."""
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
-    from actors.messages import GenerateRequest
-    from actors.sampling import SamplingParams
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.engine.messages import GenerateRequest
+    from actors.engine.sampling import SamplingParams
 
     mc = ModelConfig.from_pretrained(model)
     opts = {"kv_bits": kv_bits, "kv_profile": "prose"} if kv_bits else {}

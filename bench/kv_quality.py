@@ -13,7 +13,7 @@ Rows:
                  tokens, values per token over groups of 32 channels, fp16 scale + zero per group (b + 1
                  bits); the incomplete group stays in full precision
   kivi<b>-m      the same at matched bits: key groups of 128 tokens, value groups of 64 channels (b + 0.375)
-  ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv_profiles.RECOMMENDED_FIT_OPTIONS`
+  ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv.profiles.RECOMMENDED_FIT_OPTIONS`
                  through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"),
                  pre-RoPE per-channel keys with calibrated ranges, per-token values with an fp16 scale and a
                  per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block
@@ -60,14 +60,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.attention import AttentionMetadata  # noqa: E402
-from actors.config import ModelConfig  # noqa: E402
-from actors.dispatch import ExpertPlacement  # noqa: E402
-from actors.engine import EngineConfig, RankEngine  # noqa: E402
-from actors.kv_cache import BlockAllocator, KVCache  # noqa: E402
-from actors.kv_profiles import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS, ModelKVProfile,  # noqa: E402
+from actors.model.attention import AttentionMetadata  # noqa: E402
+from actors.model.config import ModelConfig  # noqa: E402
+from actors.moe.dispatch import ExpertPlacement  # noqa: E402
+from actors.engine.engine import EngineConfig, RankEngine  # noqa: E402
+from actors.kv.paged import BlockAllocator, KVCache  # noqa: E402
+from actors.kv.profiles import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS, ModelKVProfile,  # noqa: E402
                                 collect_calibration_kv, fit_model_profile, model_effective_bits)
-from actors.kv_quant_cache import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
+from actors.kv.quantized import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
 from kernels.kv_quant import dequantize_kv, kivi_dequantize, kivi_quantize, nearest_level, quantize_kv  # noqa: E402
 from kernels.paged_attention import apply_rope, rope_tables  # noqa: E402

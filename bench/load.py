@@ -65,7 +65,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core INFO lines (GOAWAY
 import aiohttp  # noqa: E402
 import grpc  # noqa: E402
 
-from actors.rendezvous import free_port  # noqa: E402
+from actors.rank.rendezvous import free_port  # noqa: E402
 from router_service.proto.moeray.v1 import moeray_pb2 as pb  # noqa: E402
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -56,7 +56,7 @@ def _bal(row) -> float:
 
 
 def run_size(W: int, args, set_a, set_b) -> dict:
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from cluster.placement import expected_rank_load
     from moeray import LLM
 

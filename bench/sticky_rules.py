@@ -1,6 +1,6 @@
 """Anti-thrash rules compared: which swaps should `sticky` make? Router thrash vs perplexity, per rule family.
 
-The served `sticky` policy (router_service.routing.gating) keeps an expert p that the previous token used in
+The served `sticky` policy (actors.moe.gating) keeps an expert p that the previous token used in
 place of a newly chosen expert j when score(p) >= score(j) - margin. This bench traces the thrash /
 perplexity frontier of that rule and of rules that pick the swaps by other evidence, on the held-out text and
 with the measures of bench/gating.py (thrash: mean Jaccard distance of consecutive tokens' expert sets,
@@ -38,13 +38,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from actors.config import ModelConfig
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import held_out_sequences
 from gating import new_router, run_policy, thrash
-from router_service.routing.gating import GatingConfig, GatingRouter, Routing, _renorm
+from actors.moe.gating import GatingConfig, GatingRouter, Routing, _renorm
 from kernels.gating import sanitize_router_logits
 
 # (family, setting) grid; --quick keeps the settings nearest each family's +1% point

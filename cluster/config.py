@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from actors.config import ModelConfig
+from actors.model.config import ModelConfig
 
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
@@ -34,7 +34,7 @@ class ClusterConfig:
     pg_timeout_s: float = 10.0
     placement_strategy: str = "PACK"
     # "auto": on CPU (gloo) with every rank on one node, the decode step's small all-to-alls (step agreement,
-    # fixed-capacity dispatch) go through shared memory (`actors.shm_collective`); "torch": all via gloo/NCCL
+    # fixed-capacity dispatch) go through shared memory (`actors.rank.shm_collective`); "torch": all via gloo/NCCL
     transport: str = "auto"
     engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
 

@@ -10,8 +10,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.config import ModelConfig
-from actors.rank_actor import RankWorker
+from actors.model.config import ModelConfig
+from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
 from cluster.metrics import aggregate_stats
 from cluster.placement import contiguous_placement, eplb_placement, expected_rank_load

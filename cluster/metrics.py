@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from actors.dispatch import ExpertPlacement
+from actors.moe.dispatch import ExpertPlacement
 
 
 def max_over_mean(xs: list[float]) -> float:
@@ -47,7 +47,7 @@ ROUTING_KEYS = ("thrash", "hit_rate", "recall")
 
 def _rank_routing(r: dict, L: int) -> dict[str, list[float]]:
     """One rank's routing metrics as per-layer lists: `stats()["routing"]` keys first, then hit_rate / recall
-    from `stats()["expert_cache"]` (`actors.expert_store.ExpertRuntime.summary()`: {"layers": {l: {...}}})
+    from `stats()["expert_cache"]` (`actors.experts.store.ExpertRuntime.summary()`: {"layers": {l: {...}}})
     where `routing` does not carry them."""
     out = {}
     routing = r.get("routing") or {}
@@ -67,7 +67,7 @@ def aggregate_routing(per_rank: list[dict], L: int) -> dict[str, list[float]]:
 
     Read from `stats()["routing"]` (each a per-layer list, a {layer: value} dict or a scalar; absent keys are
     skipped), hit_rate / recall also from `stats()["expert_cache"]["layers"]` (packed experts):
-      thrash: mean Jaccard distance between consecutive tokens' expert sets (router_service.routing.stats);
+      thrash: mean Jaccard distance between consecutive tokens' expert sets (actors.moe.stats);
       hit_rate: expert-cache hits / lookups; recall: prefetch prediction recall.
     Returns {key: [L] floats} for the keys at least one rank reports.
     """

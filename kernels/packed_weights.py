@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.codebook import lloyd_max
-from kernels.cpu_kernels import dequant_packed
+from kernels.cpu import dequant_packed
 import torch.nn.functional as F
 
 SUPPORTED_BITS = (2, 3, 4)

@@ -8,7 +8,7 @@ The Python API for programs:
     print(outs[0].text)  # or, as in vLLM, outs[0].outputs[0].text
     llm.shutdown()
 """
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 from moeray.api import LLM
 from router_service.router import CompletionOutput, RequestOutput
 

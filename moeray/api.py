@@ -6,7 +6,7 @@ import os
 
 import ray
 
-from actors.sampling import SamplingParams, served_kv_profiles
+from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
 from router_service.router import RequestOutput, RequestStream, Router

@@ -78,7 +78,7 @@ def add_engine_args(p) -> None:
                    help="packed-expert kernels (triton on CPU needs TRITON_INTERPRET=1, set automatically)")
     p.add_argument("--gating", default="exact",
                    choices=["exact", "balanced", "capacity", "dynamic", "velocity", "sticky"],
-                   help="gating policy of the deployment (see router_service/routing/gating.py)")
+                   help="gating policy of the deployment (see actors/moe/gating.py)")
     p.add_argument("--gating-option", action="append", default=[], metavar="KEY=VALUE",
                    help="gating knob, e.g. sticky_margin=0.1 or top_p=0.6 (repeatable)")
 
@@ -97,7 +97,7 @@ def engine_kwargs(a) -> dict:
     asked = [f for f, on in (("--expert-cache", a.expert_cache is not None),
                              (f"--prefetch {a.prefetch}", a.prefetch not in ("auto", "none"))) if on]
     if asked and a.weight_bits is None:
-        from actors.packed_checkpoint import is_packed_checkpoint
+        from actors.experts.checkpoint import is_packed_checkpoint
 
         model = getattr(a, "model", None)
         if model is not None and not is_packed_checkpoint(model):
@@ -115,7 +115,7 @@ def engine_kwargs(a) -> dict:
             "weight_storage": a.weight_storage}
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
-        from router_service.routing.gating import GatingConfig
+        from actors.moe.gating import GatingConfig
 
         try:  # unknown keys and out-of-range knobs fail here, not in the rank actors after Ray has started
             GatingConfig.from_options(a.gating, opts["gating_options"])
@@ -145,7 +145,7 @@ def parse_gating_options(items: list[str]) -> dict:
 
 
 def cmd_generate(a) -> int:
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from moeray.api import LLM
 
     try:

@@ -4,7 +4,7 @@
 
 runs the model on the text in non-overlapping windows, collects every layer's pre-RoPE keys and values,
 fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer with the shipped
-recipe for that width (`actors.kv_profiles.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
+recipe for that width (`actors.kv.profiles.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
 `<OUT>/<domain>-<bits>bit.safetensors` + `.json` (or exactly OUT, if it ends in `.safetensors`).
 A progress bar (tqdm) goes to stderr.
 """
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens at most")
     p.add_argument("--window", type=int, default=1024, help="tokens per forward")
-    # Fit options left unset take the shipped recipe for --bits (actors.kv_profiles.RECOMMENDED_FIT_OPTIONS).
+    # Fit options left unset take the shipped recipe for --bits (actors.kv.profiles.RECOMMENDED_FIT_OPTIONS).
     recipe = "(default: the shipped recipe for --bits)"
     p.add_argument("--n-outlier", type=int, default=None, help=f"key outlier channels per KV head kept in fp16 {recipe}")
     p.add_argument("--n-outlier-v", type=int, default=None,
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 def recipe_options(a, head_dim: int) -> dict:
     """`fit_model_profile` options: the shipped recipe for `a.bits` (`RECOMMENDED_FIT_OPTIONS`, its per-channel
     key row budget, where it has one, scaled from 64 channels to `head_dim`), overridden by the flags given."""
-    from actors.kv_profiles import RECOMMENDED_FIT_OPTIONS
+    from actors.kv.profiles import RECOMMENDED_FIT_OPTIONS
 
     opts = dict(RECOMMENDED_FIT_OPTIONS[a.bits])
     if opts.get("k_channel_bits") is not None:
@@ -68,10 +68,10 @@ def recipe_options(a, head_dim: int) -> dict:
 def cmd_calibrate(a) -> int:
     from tqdm import tqdm
 
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
-    from actors.kv_profiles import (collect_calibration_kv, fit_model_profile, model_effective_bits,
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.kv.profiles import (collect_calibration_kv, fit_model_profile, model_effective_bits,
                                     profile_filename, save_profile)
 
     if a.tokens < 1 or a.window < 1:

@@ -4,7 +4,7 @@
     moeray generate --model /tmp/tiny-moe-3b --expert-cache 4 "To be, or not to be"
 
 The routed experts are quantized group-wise (uniform grid, or `--codebook` for non-uniform Lloyd-Max
-levels) and stored packed (`actors.packed_checkpoint`); everything else is copied unchanged. Then, unless
+levels) and stored packed (`actors.experts.checkpoint`); everything else is copied unchanged. Then, unless
 `--no-calibrate`, a calibration run routes training text through the packed model and saves the expert
 transition counts beside it (`expert_transitions.safetensors`), which seed the Markov prefetcher.
 Calibration text: the `--calib-text` files, else a fixed sample of the running interpreter's standard
@@ -80,11 +80,11 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     Returns the file's path."""
     from tqdm import tqdm
 
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
-    from actors.expert_store import calibrate
-    from router_service.routing.prefetch import TRANSITIONS_FILE
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.experts.store import calibrate
+    from actors.prefetch.predictors import TRANSITIONS_FILE
 
     mc = ModelConfig.from_pretrained(model)
     chunks = calibration_chunks(model, texts, max_tokens, min(chunk, mc.max_position_embeddings))
@@ -102,8 +102,8 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
 def cmd_quantize(a) -> int:
     from tqdm import tqdm
 
-    from actors.config import ModelConfig
-    from actors.packed_checkpoint import write_packed_checkpoint
+    from actors.model.config import ModelConfig
+    from actors.experts.checkpoint import write_packed_checkpoint
 
     try:
         args = QuantizeArgs(src=a.src, dst=a.dst, bits=a.bits, group_size=a.group_size, codebook=a.codebook,

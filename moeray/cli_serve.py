@@ -163,7 +163,7 @@ def cmd_serve(a) -> int:
 
     from ray import serve
 
-    from router_service.http_models import ServeAppArgs
+    from router_service.http.models import ServeAppArgs
     from router_service.serve_app import GRPC_SERVICER_FUNCTION, build_app
 
     init_ray(a.address or os.environ.get("RAY_ADDRESS"))
@@ -233,7 +233,7 @@ def _wait_for_signal() -> None:
 
 def _grpc_only(a, api_key: str | None) -> int:
     from moeray.api import LLM
-    from router_service.grpc_server import start_grpc_server
+    from router_service.grpc.server import start_grpc_server
 
     if owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
         enable_ray_token_auth()  # LLM starts the local Ray

@@ -1,7 +1,7 @@
 """Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
 
 One poller thread per rank reads the rank's output channel (a TCP stream of msgpack frames, see
-`actors.rank_actor`) and routes each `TokenOutput` to its request's stream. A request's stream ends with exactly
+`actors.rank.worker`) and routes each `TokenOutput` to its request's stream. A request's stream ends with exactly
 one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import ray
 from tokenizers import Tokenizer
 
-from actors.messages import GenerateRequest, TokenOutput, decode_frame
-from actors.sampling import SamplingParams
+from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
+from actors.engine.sampling import SamplingParams
 from cluster.launcher import EPCluster
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 

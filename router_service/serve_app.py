@@ -1,7 +1,7 @@
 """OpenAI-style HTTP front door: a FastAPI app over a `Router`, and the Ray Serve deployment that owns
 the EP cluster.
 
-Routes (see `router_service.http_models` for the request fields and their limits):
+Routes (see `router_service.http.models` for the request fields and their limits):
   POST /v1/completions, POST /v1/chat/completions  JSON, or SSE with `"stream": true` (the last event
       before `data: [DONE]` carries `usage`, `choices: []`, when `stream_options.include_usage` is true)
   GET /v1/models, GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
@@ -40,11 +40,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from actors.messages import TokenOutput
+from actors.engine.messages import TokenOutput
 from router_service.chat_template import ChatTemplate, load_chat_template
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
-from router_service.grpc_server import MoerayRpc, RpcError, api_key_ok, params_error_field, served_model_name
-from router_service.http_models import (ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields,
+from router_service.grpc.server import MoerayRpc, RpcError, api_key_ok, params_error_field, served_model_name
+from router_service.http.models import (ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields,
                                         ServeAppArgs)
 from router_service.metrics import Metrics
 from router_service.router import RequestStream, Router
@@ -436,7 +436,7 @@ if serve is not None:
             self.rpc = MoerayRpc(self.router, self.args.served_model_name, self.api_key)
             self.grpc = None
             if self.args.grpc_port is not None:
-                from router_service.grpc_server import start_grpc_server
+                from router_service.grpc.server import start_grpc_server
 
                 self.grpc = start_grpc_server(self.router, self.args.grpc_host, self.args.grpc_port, self.api_key,
                                               self.args.served_model_name, metrics=self.http.metrics)

@@ -21,7 +21,7 @@ terms added to the loss, averaged over MoE layers, p_t the router softmax of tok
     between consecutive tokens' router distributions. Measured worse (BENCHMARKS.md, gating): thrash of
     the top-k barely moves while perplexity rises; kept as a knob, off by default.
   * sticky routing (`--sticky-frac F --sticky-margin M`): a share F of the micro-batches is routed with
-    the serving `sticky` rule (router_service.routing.gating), so that the policy costs less when served;
+    the serving `sticky` rule (actors.moe.gating), so that the policy costs less when served;
     the other micro-batches keep the model's own top-k, which stays the `exact` reference.
 
 The shipped `models/tiny-moe` is stage 1 plus later stages of that recipe (sequence-wise balance 1.0, sticky on
@@ -214,10 +214,10 @@ def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Ten
 
 def sticky_ids(probs_BLE: torch.Tensor, ids_BLK: torch.Tensor, margin: float) -> torch.Tensor:
     """The expert sets the serving `sticky` policy picks, token by token along each sequence, the previous
-    token's final set carrying over: the serving rule itself (router_service.routing.gating._stick_rows,
+    token's final set carrying over: the serving rule itself (actors.moe.gating._stick_rows,
     on Python lists: ~100x faster than tensor ops on [B, E] rows for this sequential loop).
     probs [B, L, E] float32, ids [B, L, K] int64 (exact top-k) -> [B, L, K] int64."""
-    from router_service.routing.gating import _stick_rows
+    from actors.moe.gating import _stick_rows
 
     P, out = probs_BLE.tolist(), ids_BLK.tolist()
     for t in range(1, len(out[0]) if out else 0):  # updates each row's token-t set in place

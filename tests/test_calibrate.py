@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from actors.kv_profiles import (CODE_CHAR_THRESHOLD, RECOMMENDED_FIT_OPTIONS, choose_profile, code_fraction,
+from actors.kv.profiles import (CODE_CHAR_THRESHOLD, RECOMMENDED_FIT_OPTIONS, choose_profile, code_fraction,
                                 load_profile, load_profiles, model_effective_bits)
 from moeray.cli import main
 
@@ -52,9 +52,9 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     assert torch.equal(load_profile(str(out / "prose-3bit")).layers[0].k_codebook, torch.linspace(-1, 1, 8))
     profiles, default = load_profiles(model, 3, str(out))
     assert sorted(profiles) == ["code", "prose"] and default == "auto"
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
 
     mc = ModelConfig.from_pretrained(model)
     eng = RankEngine(EngineConfig(model=model, kv_bits=3, kv_profile=str(out), max_model_len=64,

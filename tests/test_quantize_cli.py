@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from actors.packed_checkpoint import is_packed_checkpoint, packed_layer_names, read_quant_config
+from actors.experts.checkpoint import is_packed_checkpoint, packed_layer_names, read_quant_config
 from moeray.cli import main
-from router_service.routing.prefetch import TRANSITIONS_FILE
+from actors.prefetch.predictors import TRANSITIONS_FILE
 from tests.bench_runner import run_bench_result
 
 
@@ -50,9 +50,9 @@ def test_quantize_rejects_bad_arguments(packed_dir, capsys):
 
 @pytest.mark.ray
 def test_generate_serves_packed_model_with_triton(packed_dir, ray_session, capsys):
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
 
     _, dst = packed_dir
     prompt = "def add(a, b):"
@@ -83,7 +83,7 @@ def test_quantize_keeps_the_kv_profiles(tiny_model_dir, tmp_path):
     `--kv-bits` works on it as on the source."""
     import shutil
 
-    from actors.packed_checkpoint import write_packed_checkpoint
+    from actors.experts.checkpoint import write_packed_checkpoint
 
     src = str(tmp_path / "src")
     shutil.copytree(tiny_model_dir("qwen2_moe", num_layers=3), src)

@@ -1,1 +1,1 @@
-"""Routing policies, expert-prefetch predictors and routing statistics (below `actors`, above `kernels`)."""
+"""Offline routing work: fitting expert predictors (log-linear, lookahead, prequential), calibration, aggregation."""

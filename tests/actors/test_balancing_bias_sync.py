@@ -7,15 +7,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.rendezvous import host_store, join_store
+from actors.rank.rendezvous import host_store, join_store
 
 
 def _worker(rank, world, port, model_dir, q):
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import BIAS_SYNC_STEPS, EngineConfig, RankEngine
-    from actors.messages import GenerateRequest
-    from actors.sampling import SamplingParams
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import BIAS_SYNC_STEPS, EngineConfig, RankEngine
+    from actors.engine.messages import GenerateRequest
+    from actors.engine.sampling import SamplingParams
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=join_store("127.0.0.1", port, world, 60.0), rank=rank, world_size=world)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from actors.attention import AttentionMetadata, paged_attention_ref
-from actors.dispatch import AllToAllDispatcher, ExpertPlacement
-from actors.experts import LocalExperts
-from actors.layers import Rotary, rms_norm
+from actors.model.attention import AttentionMetadata, paged_attention_ref
+from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.experts import LocalExperts
+from actors.model.layers import Rotary, rms_norm
 from kernels.gating import topk_softmax_ref
 
 

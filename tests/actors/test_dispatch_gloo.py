@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.dispatch import AllToAllDispatcher, ExpertPlacement
-from actors.experts import LocalExperts
-from actors.rendezvous import host_store, join_store
+from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.experts import LocalExperts
+from actors.rank.rendezvous import host_store, join_store
 from kernels.gating import topk_softmax_ref
 
 E, D, I, K = 7, 12, 10, 2
@@ -28,7 +28,7 @@ def _data(seed=0):
 
 
 def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
-    from actors.shm_collective import ShmAllToAll
+    from actors.rank.shm_collective import ShmAllToAll
 
     store = join_store("127.0.0.1", port, world, 60.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)

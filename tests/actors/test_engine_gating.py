@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 from tests.actors.test_model_vs_hf import make_engine, run_to_completion
 
 
@@ -19,7 +19,7 @@ def test_mixed_policies_in_one_batch_equal_each_alone(tiny_model_dir, mixed):
     exact = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     other = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, gating=mixed)
     eng = make_engine(path, gating_options=opts)
-    from actors.messages import GenerateRequest
+    from actors.engine.messages import GenerateRequest
 
     for i, p in enumerate(prompts):
         eng.add_request(GenerateRequest(request_id=str(i), prompt_ids=p,

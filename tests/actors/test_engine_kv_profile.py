@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from actors.config import ModelConfig
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.kv_profiles import AUTO
-from actors.messages import GenerateRequest
-from actors.sampling import KV_PROFILE_AUTO, SamplingParams, served_kv_profiles
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.kv.profiles import AUTO
+from actors.engine.messages import GenerateRequest
+from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
 
 PROSE = "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."

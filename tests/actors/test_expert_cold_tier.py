@@ -10,14 +10,14 @@ import threading
 import pytest
 import torch
 
-from actors.config import ModelConfig
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.expert_store import ColdExpertTier, PackedLayerExperts, PrefetchWorker
-from actors.messages import GenerateRequest
-from actors.packed_checkpoint import PackedExpertReader, load_packed_experts, write_packed_checkpoint
-from actors.sampling import SamplingParams
-from router_service.routing.stats import RoutingStats
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.experts.store import ColdExpertTier, PackedLayerExperts, PrefetchWorker
+from actors.engine.messages import GenerateRequest
+from actors.experts.checkpoint import PackedExpertReader, load_packed_experts, write_packed_checkpoint
+from actors.engine.sampling import SamplingParams
+from actors.moe.stats import RoutingStats
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 3, 250]]
 

@@ -9,22 +9,22 @@ import os
 import pytest
 import torch
 
-from actors.config import ModelConfig
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.expert_store import (
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.experts.store import (
     ExpertCache,
     PackedLayerExperts,
     PrefetchWorker,
     calibrate,
     quantize_local_experts,
 )
-from actors.messages import GenerateRequest
-from actors.packed_checkpoint import load_packed_experts, read_quant_config, write_packed_checkpoint
-from actors.sampling import SamplingParams
+from actors.engine.messages import GenerateRequest
+from actors.experts.checkpoint import load_packed_experts, read_quant_config, write_packed_checkpoint
+from actors.engine.sampling import SamplingParams
 from kernels.packed_weights import dequantize
-from router_service.routing.prefetch import TRANSITIONS_FILE
-from router_service.routing.stats import RoutingStats
+from actors.prefetch.predictors import TRANSITIONS_FILE
+from actors.moe.stats import RoutingStats
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 3, 250]]
 
@@ -146,7 +146,7 @@ def test_full_and_quarter_cache_give_the_same_tokens(qwen_dir):
 def test_cpu_default_cache_is_empty_where_the_fused_kernel_runs(qwen_dir):
     # Unset expert_cache_capacity: 0 on CPU when the compiled fused kernel serves misses (every expert runs from
     # its packed bytes), all experts otherwise; both give the tokens of C = E.
-    from kernels.cpu_kernels import cpu_kernels_available
+    from kernels.cpu import cpu_kernels_available
 
     default = make_engine(qwen_dir, weight_bits=4)
     full = make_engine(qwen_dir, weight_bits=4, expert_cache_capacity=8)
@@ -266,8 +266,8 @@ def test_fill_falls_back_when_the_compiled_dequantize_is_gone():
 
 
 def test_auto_prefetch_rule():
-    from actors.expert_store import auto_prefetch
-    from router_service.routing.prefetch import DEFAULT_PREDICTOR
+    from actors.experts.store import auto_prefetch
+    from actors.prefetch.predictors import DEFAULT_PREDICTOR
 
     assert auto_prefetch("cpu", full=True) == "none" and auto_prefetch("cuda", full=True) == "none"
     assert auto_prefetch("cpu", full=False) == "none"  # no spare core to hide a fill: LRU + inline fills
@@ -279,7 +279,7 @@ def test_auto_prefetch_rule():
 def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, predictor):
     """Decode steps keep the prediction bookkeeping on Python lists (`SMALL_STEP_CELLS`); forcing the tensor
     path must give the same tokens and the same recall, precision and thrashing (fills run inline)."""
-    import actors.expert_store as es
+    import actors.experts.store as es
 
     def run(cells):
         monkeypatch.setattr(es, "SMALL_STEP_CELLS", cells)
@@ -336,10 +336,10 @@ def test_dequantize_vectorised_matches_the_formula(bits):
 
 @pytest.mark.parametrize("predictor", ["markov", "hybrid"])
 def test_compiled_prefetch_step_equals_the_python_bookkeeping(qwen_dir, predictor, monkeypatch):
-    """The decode-step bookkeeping in one compiled call per layer (`kernels.cpu_kernels.prefetch_step`) against
+    """The decode-step bookkeeping in one compiled call per layer (`kernels.cpu.prefetch_step`) against
     the Python-list path (kernels off): same greedy tokens, same prediction recall / precision / thrash, and the
     same learned Markov counts, on batches of 3 sequences decoding together."""
-    from kernels import cpu_kernels
+    from kernels import cpu as cpu_kernels
 
     if not cpu_kernels.cpu_kernels_available():
         pytest.skip("no compiled CPU kernels here")
@@ -385,8 +385,8 @@ def test_prefetch_worker_thread_ends_when_the_worker_is_dropped():
 def _sticky_predictions(path: str, deployment: str, request: str | None, path_kind: str, monkeypatch) -> tuple:
     """Decode one sequence; per decode step and MoE layer after the first: (prediction made for the layer, the
     previous step's routing at that layer). Returns (pairs, runtime)."""
-    import actors.expert_store as es
-    from kernels import cpu_kernels
+    import actors.experts.store as es
+    from kernels import cpu as cpu_kernels
 
     if path_kind == "lists":
         monkeypatch.setattr(cpu_kernels, "_lib", None)
@@ -423,7 +423,7 @@ def test_sticky_tokens_are_predicted_with_their_previous_experts_first(qwen_dir,
     """Under `sticky` (the deployment's policy or the request's), each decode token's prediction for a layer holds
     its predecessor's experts at that layer and fills the budget (k + 1) from the predictor; under `exact` it is
     the predictor's own ranking, which here leaves some of them out."""
-    from kernels import cpu_kernels
+    from kernels import cpu as cpu_kernels
 
     if path_kind == "compiled" and not cpu_kernels.cpu_kernels_available():
         pytest.skip("no compiled CPU kernels here")

@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from actors.attention import AttentionMetadata
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.kv_profiles import (collect_calibration_kv, fit_model_profile, load_profiles, profile_filename,
+from actors.model.attention import AttentionMetadata
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.kv.profiles import (collect_calibration_kv, fit_model_profile, load_profiles, profile_filename,
                                 save_profile)
-from actors.kv_quant_cache import QuantizedPagedKVCache
-from actors.messages import GenerateRequest
+from actors.kv.quantized import QuantizedPagedKVCache
+from actors.engine.messages import GenerateRequest
 from cluster.config import DEFAULT_MODEL
 
 INTERIM = "/tmp/tiny-moe-interim"
@@ -22,7 +22,7 @@ INTERIM = "/tmp/tiny-moe-interim"
 
 def _engine(model: str, **kw) -> RankEngine:
     cfg = EngineConfig(model=model, **kw)
-    from actors.config import ModelConfig
+    from actors.model.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(model)
     return RankEngine(cfg, ExpertPlacement.contiguous(mc.num_layers, max(mc.num_experts, 1), 1))
@@ -178,7 +178,7 @@ def test_per_channel_key_widths_prefill_decode_and_triton(tiny_quant_model, tmp_
     """2-bit profiles with per-channel key widths (the 2-bit recipe's format: key rows of Pk != P bytes, no
     outlier array) page through the mixed-width arena, two key-row sizes side by side: prefill equals
     decode, the Triton backend equals the torch one, and a batch mixing both profiles decodes."""
-    from actors.kv_profiles import RECOMMENDED_FIT_OPTIONS
+    from actors.kv.profiles import RECOMMENDED_FIT_OPTIONS
 
     eng0 = _engine(tiny_quant_model, max_model_len=128)
     ids_cal = torch.randint(1, eng0.model_cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(8)).tolist()
@@ -332,7 +332,7 @@ def test_4bit_top1_agreement_on_heldout(tmp_path):
 
 def test_mixed_width_pool_fragmentation_under_5_percent():
     """Stretch: 200 sequences, lengths uniform in [1, 1024], 2/3/4 bits mixed, random arrival/finish."""
-    from actors.kv_pool import MixedWidthPagePool, choose_page_bytes, simulate_fragmentation
+    from actors.kv.pool import MixedWidthPagePool, choose_page_bytes, simulate_fragmentation
 
     bpt = {2: 304, 3: 432, 4: 560}  # tiny-moe bytes per quantized token, all layers (2 key outlier channels)
     page = choose_page_bytes(bpt)

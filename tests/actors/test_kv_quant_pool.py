@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
-from actors.attention import AttentionMetadata
-from actors.kv_pool import MixedWidthPagePool, SequencePageTables
-from actors.kv_profiles import ModelKVProfile
-from actors.kv_quant_cache import QuantizedPagedKVCache
+from actors.model.attention import AttentionMetadata
+from actors.kv.pool import MixedWidthPagePool, SequencePageTables
+from actors.kv.profiles import ModelKVProfile
+from actors.kv.quantized import QuantizedPagedKVCache
 from kernels.kv_quant import fit_kv_profile
 
 S = 16  # block_size
@@ -355,7 +355,7 @@ def test_random_workload_frees_everything_and_fragmentation_under_5_percent(monk
     Only storage matters here (seals, page writes, copy-on-write copies run for real); the attention math,
     checked by the tests above, is stubbed out to keep the test fast.
     """
-    import actors.kv_quant_cache as kvq
+    import actors.kv.quantized as kvq
 
     monkeypatch.setattr(kvq, "mixed_causal_attention", lambda q, *a, **k: torch.zeros(q.shape))
     monkeypatch.setattr(kvq, "dequantize_keys", lambda c, o, p: torch.zeros(c.shape[0], p.num_kv_heads, p.head_dim))

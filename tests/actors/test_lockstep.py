@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-from actors.dispatch import ExpertPlacement
-from actors.engine import RankEngine
-from actors.messages import GenerateRequest
-from actors.rank_actor import RankWorker
-from actors.sampling import SamplingParams
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import RankEngine
+from actors.engine.messages import GenerateRequest
+from actors.rank.worker import RankWorker
+from actors.engine.sampling import SamplingParams
 from tests.tiny_models import build_tiny_model
 
 
@@ -45,7 +45,7 @@ def _request(rid: str) -> bytes:
 
 def test_a_request_landing_after_the_work_check_is_not_slept_on(tmp_path):
     path = build_tiny_model("qwen2_moe", str(tmp_path / "m"))
-    from actors.config import ModelConfig
+    from actors.model.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(path)
     w = RankWorker(0, 2, {"model": path, "max_model_len": 64, "kv_cache_bytes": 1 << 20},

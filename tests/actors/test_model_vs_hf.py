@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.dispatch import ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.messages import GenerateRequest
-from actors.sampling import SamplingParams
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.engine.messages import GenerateRequest
+from actors.engine.sampling import SamplingParams
 from tests.reference import agree_until_small_margin, hf_greedy
 from tests.tiny_models import load_hf
 
@@ -15,7 +15,7 @@ ARCHS = ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"]
 
 
 def make_engine(path: str, **kw) -> RankEngine:
-    from actors.config import ModelConfig
+    from actors.model.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(path)
     cfg = EngineConfig(model=path, max_model_len=kw.pop("max_model_len", 256), kv_cache_bytes=kw.pop("kv_cache_bytes", 8 << 20), **kw)
@@ -103,7 +103,7 @@ def test_fused_expert_layout_and_sharded_index(tiny_model_dir, tmp_path):
 def test_tied_embeddings_and_dense_layers(tiny_model_dir):
     """mlp_only_layers (dense MLP layers) and tied embeddings follow the config."""
     path = tiny_model_dir("qwen2_moe", num_layers=4, tie_word_embeddings=True)
-    from actors.config import ModelConfig
+    from actors.model.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(path)
     assert mc.tie_word_embeddings and mc.moe_layers == [True, False, True, True]
@@ -115,9 +115,9 @@ def test_tied_embeddings_and_dense_layers(tiny_model_dir):
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_bf16_checkpoint_keeps_bf16_weights_and_matches_transformers(tiny_model_dir, arch):
     """A bf16 checkpoint served in fp32: with weight_storage=auto the matrices stay bf16 (exactly the
-    checkpoint's values, `kernels.cpu_kernels`), and logits and greedy tokens equal both the all-fp32 engine
+    checkpoint's values, `kernels.cpu`), and logits and greedy tokens equal both the all-fp32 engine
     and transformers computing in fp32 over the same values."""
-    from kernels.cpu_kernels import cpu_kernels_available
+    from kernels.cpu import cpu_kernels_available
 
     path = tiny_model_dir(arch, num_layers=3, save_dtype=torch.bfloat16)
     hf = load_hf(path)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from actors.dispatch import ExpertPlacement
-from actors.messages import GenerateRequest, decode_frame
-from actors.rank_actor import HEARTBEAT_S, RankWorker
-from actors.sampling import SamplingParams
+from actors.moe.dispatch import ExpertPlacement
+from actors.engine.messages import GenerateRequest, decode_frame
+from actors.rank.worker import HEARTBEAT_S, RankWorker
+from actors.engine.sampling import SamplingParams
 from tests.tiny_models import build_tiny_model
 
 
@@ -33,7 +33,7 @@ def _recv_frame(conn):
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     path = build_tiny_model("qwen2_moe", str(tmp_path_factory.mktemp("m")))
-    from actors.config import ModelConfig
+    from actors.model.config import ModelConfig
 
     mc = ModelConfig.from_pretrained(path)
     w = RankWorker(0, 1, {"model": path, "max_model_len": 64, "kv_cache_bytes": 1 << 20},

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from actors.rendezvous import host_store, join_store
+from actors.rank.rendezvous import host_store, join_store
 
 
 def test_the_store_port_cannot_be_taken_while_the_store_lives():
@@ -21,8 +21,8 @@ def test_the_store_port_cannot_be_taken_while_the_store_lives():
 
 
 def test_only_rank_zero_opens_the_rendezvous():
-    from actors.dispatch import ExpertPlacement
-    from actors.rank_actor import RankWorker
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.rank.worker import RankWorker
 
     # the constructor loads nothing (weights come in setup)
     w = RankWorker(1, 2, {"model": "unused"}, ExpertPlacement.contiguous(1, 4, 2).to_dict(), num_threads=0)

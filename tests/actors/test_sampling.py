@@ -5,8 +5,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from actors.detokenizer import IncrementalDetokenizer
-from actors.sampling import SamplingParams, sample
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.sampling import SamplingParams, sample
 
 
 @pytest.mark.parametrize("kw,field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),

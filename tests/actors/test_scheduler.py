@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from actors.messages import GenerateRequest
-from actors.sampling import SamplingParams
+from actors.engine.messages import GenerateRequest
+from actors.engine.sampling import SamplingParams
 from tests.actors.test_model_vs_hf import make_engine, run_to_completion
 
 

@@ -1,4 +1,4 @@
-"""The shared-memory all-to-all (`actors.shm_collective`) against gloo's `all_to_all_single`, and its failure
+"""The shared-memory all-to-all (`actors.rank.shm_collective`) against gloo's `all_to_all_single`, and its failure
 modes: a peer that exits or never arrives raises instead of hanging."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.rendezvous import host_store, join_store
-from actors.shm_collective import ShmAllToAll
+from actors.rank.rendezvous import host_store, join_store
+from actors.rank.shm_collective import ShmAllToAll
 
 
 def _equal_worker(rank, world, port, q):

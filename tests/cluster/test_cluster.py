@@ -7,7 +7,7 @@ import time
 import psutil
 import pytest
 
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 from moeray import LLM
 
 PROMPTS = ["To be, or not to be", "def add(a, b):", "The quick brown fox", "x"]
@@ -34,7 +34,7 @@ def test_two_ranks_equal_one_rank(ray_session, model_path, llm2):
     assert all(len(o.token_ids) == 16 and o.finish_reason == "length" for o in two)
     # one node: the decode step's small all-to-alls went through shared memory
     assert [r["transport"] for r in llm2.cluster.info] == ["shm+gloo"] * 2
-    from kernels.cpu_kernels import cpu_kernels_available  # each rank reports whether its fast path runs
+    from kernels.cpu import cpu_kernels_available  # each rank reports whether its fast path runs
 
     assert [r["cpu_kernels"] for r in llm2.cluster.info] == [cpu_kernels_available()] * 2
     with LLM(model=model_path, ranks=2, max_model_len=128, kv_cache_bytes=4 << 20, transport="torch") as gloo:

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.dispatch import AllToAllDispatcher, ExpertPlacement, water_fill
-from actors.experts import LocalExperts
-from actors.rendezvous import host_store, join_store
+from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement, water_fill
+from actors.moe.experts import LocalExperts
+from actors.rank.rendezvous import host_store, join_store
 from cluster.metrics import aggregate_stats, balancedness
 from cluster.placement import eplb_placement, expected_rank_load
 from kernels.gating import topk_softmax_ref
@@ -227,8 +227,8 @@ def model_path(tiny_model_dir):
 
 @pytest.mark.parametrize("weight_bits", [None, 4])
 def test_engine_apply_placement_keeps_logits(model_path, weight_bits):
-    from actors.config import ModelConfig
-    from actors.engine import EngineConfig, RankEngine
+    from actors.model.config import ModelConfig
+    from actors.engine.engine import EngineConfig, RankEngine
 
     mc = ModelConfig.from_pretrained(model_path)
     cfg = EngineConfig(model=model_path, max_model_len=64, kv_cache_bytes=1 << 20, weight_bits=weight_bits)
@@ -252,7 +252,7 @@ def test_engine_apply_placement_keeps_logits(model_path, weight_bits):
 
 # ----------------------------------------------------------------------------- cluster
 def test_rebalance_running_cluster_mid_generation(ray_session, model_path):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from moeray import LLM
 
     prompts = ["def add(a, b):", "import os\nimport sys", "class Foo:\n    def", "for i in range(10):", "x = [",

@@ -23,14 +23,14 @@ def llm(ray_session, tiny_model_dir):
 
 
 def _long(max_tokens: int = 200):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
 def _wait_serving(router, timeout_s: float) -> float:
     """Seconds until the router accepts and completes a request again (raises if not within timeout_s)."""
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from router_service.errors import EngineError
 
     t0 = time.monotonic()

@@ -396,7 +396,7 @@ def test_serve_scales_a_deployment_up_and_down_without_dropping_requests(ray_ses
 @pytest.mark.ray
 def test_replica_signals_of_a_real_router(ray_session, tiny_model_dir):
     """What MoerayServer.record_autoscaling_stats reports, on a 2-rank tiny cluster mid-generation."""
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from tests.router_service.conftest import start_llm, wait_idle
 
     llm = start_llm(tiny_model_dir("qwen2_moe"), ranks=2)

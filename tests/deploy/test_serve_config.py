@@ -74,7 +74,7 @@ def test_every_deployment_autoscales(config):
 def test_import_path_args_and_deployment_names(config):
     import importlib
 
-    from router_service.http_models import ServeAppArgs
+    from router_service.http.models import ServeAppArgs
 
     for app in config["applications"]:
         mod, attr = app["import_path"].split(":")
@@ -93,7 +93,7 @@ def test_import_path_args_and_deployment_names(config):
 def test_unknown_app_arg_is_rejected():
     from pydantic import ValidationError
 
-    from router_service.http_models import ServeAppArgs
+    from router_service.http.models import ServeAppArgs
 
     with pytest.raises(ValidationError, match="rnaks"):
         ServeAppArgs.model_validate({"rnaks": 2})

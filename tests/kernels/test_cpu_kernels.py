@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (`kernels.cpu_kernels`) against float64 / PyTorch references over the same
+"""The compiled CPU kernels (`kernels.cpu`) against float64 / PyTorch references over the same
 (exactly widened) bf16 weights, on shapes that are not multiples of the kernels' blocks."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_kernels
-from kernels.cpu_kernels import MAX_KERNEL_ROWS, cpu_kernels_available, linear
+from kernels import cpu as cpu_kernels
+from kernels.cpu import MAX_KERNEL_ROWS, cpu_kernels_available, linear
 
 
 def _ref(x, w, b):
@@ -67,7 +67,7 @@ needs_kernels = pytest.mark.skipif(not cpu_kernels_available(),
 @needs_kernels
 @pytest.mark.parametrize("shape", [(1, 256), (5, 13), (3, 4, 24), (0, 8)])
 def test_rms_norm_and_fused_residual_match_float64(shape):
-    from kernels.cpu_kernels import rms_norm
+    from kernels.cpu import rms_norm
 
     g = torch.Generator().manual_seed(sum(shape))
     x, r = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g)
@@ -91,8 +91,8 @@ def test_rms_norm_and_fused_residual_match_float64(shape):
 def test_decode_attention_matches_reference(H, Hkv, Dh):
     """Three decode sequences (lengths 1, 7 and 23 over blocks of 5, scattered block tables) among prefill
     rows: the kernel writes exactly the decode rows, equal to the reference's."""
-    from actors.attention import AttentionMetadata, paged_attention_ref
-    from kernels.cpu_kernels import decode_attention
+    from actors.model.attention import AttentionMetadata, paged_attention_ref
+    from kernels.cpu import decode_attention
 
     g = torch.Generator().manual_seed(H * 100 + Dh)
     S, NB, T = 5, 12, 6
@@ -112,8 +112,8 @@ def test_decode_attention_matches_reference(H, Hkv, Dh):
 
 @needs_kernels
 def test_expert_ffn_rows_and_combined_token_match_torch():
-    from actors.experts import LocalExperts
-    from kernels.cpu_kernels import expert_ffn
+    from actors.moe.experts import LocalExperts
+    from kernels.cpu import expert_ffn
 
     g = torch.Generator().manual_seed(0)
     E, I, D = 5, 12, 20  # sizes not multiples of 8 or 16
@@ -137,7 +137,7 @@ def test_expert_ffn_rows_and_combined_token_match_torch():
 def test_local_experts_run_padded_gives_zero_rows_for_padding(bf16):
     """The fixed-capacity exchange's padding rows (id -1) come back as zeros, on the kernel path (bf16 weights)
     and on the PyTorch path (fp32 weights), and real rows equal the plain call."""
-    from actors.experts import LocalExperts
+    from actors.moe.experts import LocalExperts
 
     g = torch.Generator().manual_seed(1)
     gu, dn = torch.randn(3, 8, 16, generator=g), torch.randn(3, 16, 4, generator=g)
@@ -155,7 +155,7 @@ def test_local_experts_run_padded_gives_zero_rows_for_padding(bf16):
 def test_pack_fixed_rows_matches_the_torch_construction():
     """Pairs grouped by destination in pair order, ids in the last column, -1 on padding rows; a rank given more
     than C pairs is refused."""
-    from kernels.cpu_kernels import pack_fixed_rows
+    from kernels.cpu import pack_fixed_rows
 
     g = torch.Generator().manual_seed(3)
     T, D, W, C = 3, 10, 3, 4

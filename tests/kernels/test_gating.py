@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.dispatch import AllToAllDispatcher, ExpertPlacement
-from actors.experts import LocalExperts
+from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.experts import LocalExperts
 from kernels.gating import topk_softmax_ref
 
 

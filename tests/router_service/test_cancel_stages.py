@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from actors.messages import GenerateRequest, TokenOutput
-from actors.sampling import SamplingParams
+from actors.engine.messages import GenerateRequest, TokenOutput
+from actors.engine.sampling import SamplingParams
 from tests.router_service.conftest import wait_idle
 
 PROMPT = "To be, or not to be"
@@ -35,9 +35,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 # ================================================================================ engine level (exact stages)
 @pytest.fixture
 def engine(tiny_moe_dir):
-    from actors.config import ModelConfig
-    from actors.dispatch import ExpertPlacement
-    from actors.engine import EngineConfig, RankEngine
+    from actors.model.config import ModelConfig
+    from actors.moe.dispatch import ExpertPlacement
+    from actors.engine.engine import EngineConfig, RankEngine
 
     mc = ModelConfig.from_pretrained(tiny_moe_dir)
     cfg = EngineConfig(model=tiny_moe_dir, max_model_len=CTX, kv_cache_bytes=1 << 20, max_num_seqs=2)
@@ -356,7 +356,7 @@ def test_grpc_cancel_rpc_of_a_queued_request(llm):
     Cancel finds nothing (and frees nothing twice)."""
     import grpc
 
-    from router_service.grpc_server import start_grpc_server
+    from router_service.grpc.server import start_grpc_server
     from router_service.proto.moeray.v1 import moeray_pb2 as pb
     from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.sampling import SamplingParams
+from actors.engine.sampling import SamplingParams
 from router_service.errors import EngineError
 from tests.router_service.conftest import start_llm, wait_idle
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from actors.messages import TokenOutput
+from actors.engine.messages import TokenOutput
 from router_service.errors import OverloadedError
-from router_service.grpc_server import CONTROL_HEADROOM, start_grpc_server
+from router_service.grpc.server import CONTROL_HEADROOM, start_grpc_server
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 

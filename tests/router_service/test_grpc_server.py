@@ -7,7 +7,7 @@ import time
 import grpc
 import pytest
 
-from router_service.grpc_server import start_grpc_server
+from router_service.grpc.server import start_grpc_server
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 from tests.router_service.conftest import start_llm, wait_idle
@@ -75,7 +75,7 @@ def test_generate_stream_matches_router(stub, llm):
 
 
 def llm_params(**kw):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     return SamplingParams(temperature=0.0, ignore_eos=True, **kw)
 

@@ -66,7 +66,7 @@ def test_models_health_metrics(client, llm, model_id):
 
 
 def test_completion_matches_router(client, llm, model_id):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     r = complete(client, max_tokens=10, model=model_id)
     assert r.status_code == 200, r.text
@@ -79,7 +79,7 @@ def test_completion_matches_router(client, llm, model_id):
 
 
 def test_per_request_gating_policy(client, llm):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     r = complete(client, max_tokens=6, gating="sticky")
     assert r.status_code == 200, r.text
@@ -127,7 +127,7 @@ def test_sampled_stream_text_is_whole_characters(client, llm):
         assert streamed == ref  # same seed, same tokens
         assert all(not c["choices"][0]["text"].endswith("\ufffd") for c in ev[:-2])
     # and the text equals a decode of the ids the router produced (a character cut by max_tokens ends as U+FFFD)
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     for seed in (4, 5):
         out = llm.generate([[5, 6, 7]], SamplingParams(temperature=1.0, seed=seed, max_tokens=40, ignore_eos=True))[0]
@@ -164,7 +164,7 @@ def test_chat_completion_default_template(client, llm):
                                                   "ignore_eos": True})
     assert r.status_code == 200, r.text
     d = r.json()
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     prompt = "System: Be brief.\nUser: Hello\nAssistant:"
     ref = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
@@ -253,7 +253,7 @@ def test_invalid_json_body_400(client):
 
 
 def test_overload_503_at_once(client, llm):
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
 
     router = llm.router
     old = router.max_queue

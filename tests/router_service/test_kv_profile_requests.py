@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from actors.sampling import SamplingParams, served_kv_profiles
+from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
 from router_service.errors import InvalidRequestError
-from router_service.grpc_server import start_grpc_server
+from router_service.grpc.server import start_grpc_server
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 from router_service.router import Router

@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from actors.messages import SCHEMA_VERSION, GenerateRequest, TokenOutput, decode_outputs, encode_outputs
+from actors.engine.messages import SCHEMA_VERSION, GenerateRequest, TokenOutput, decode_outputs, encode_outputs
 
 
 def test_round_trip():

@@ -37,7 +37,7 @@ def by_layer(d: dict[tuple, float], key: str = "expert") -> dict[int, dict[int, 
 
 # ------------------------------------------------------------------------------------------- unit: cluster.metrics
 def test_aggregate_balancedness_and_routing():
-    from actors.dispatch import ExpertPlacement
+    from actors.moe.dispatch import ExpertPlacement
     from cluster.metrics import aggregate_stats, balancedness
 
     nan = float("nan")
@@ -65,7 +65,7 @@ def test_aggregate_balancedness_and_routing():
 
 
 def test_aggregate_without_routing_reports_none():
-    from actors.dispatch import ExpertPlacement
+    from actors.moe.dispatch import ExpertPlacement
     from cluster.metrics import aggregate_stats
 
     rank = {"rank": 0, "expert_load": [[1, 1]], "kv_blocks_total": 4, "kv_blocks_free": 4, "running": 0, "waiting": 0}
@@ -214,7 +214,7 @@ def test_metrics_after_requests(served):
 
 
 def test_aggregate_reads_expert_cache_summary():
-    from actors.dispatch import ExpertPlacement
+    from actors.moe.dispatch import ExpertPlacement
     from cluster.metrics import aggregate_stats
 
     nan = float("nan")
@@ -231,7 +231,7 @@ def test_aggregate_reads_expert_cache_summary():
 def test_packed_experts_export_hit_rate_and_recall(ray_session, tiny_moe_dir):
     """A quarter-size expert cache with Markov prefetch: the ranks' cache hit rate and prefetch recall reach
     /metrics (per MoE layer, in [0, 1])."""
-    from actors.sampling import SamplingParams
+    from actors.engine.sampling import SamplingParams
     from moeray.api import LLM
 
     llm = LLM(model=tiny_moe_dir, ranks=1, kv_cache_bytes=4 * 2**20, max_num_seqs=4,

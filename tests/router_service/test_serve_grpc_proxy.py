@@ -11,7 +11,7 @@ import grpc
 import pytest
 import yaml
 
-from actors.rendezvous import free_port
+from actors.rank.rendezvous import free_port
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 
@@ -34,7 +34,7 @@ def md(key: str | None = KEY) -> list[tuple[str, str]]:
 def stub(ray_session, tiny_moe_dir):
     from ray import serve
 
-    from router_service.http_models import ServeAppArgs
+    from router_service.http.models import ServeAppArgs
     from router_service.serve_app import build_app
 
     with open(os.path.join(REPO, "deploy", "serve_config.yaml")) as f:
@@ -138,7 +138,7 @@ def test_client_errors_are_logged_as_one_line():
     import logging
     import sys
 
-    from router_service.grpc_server import RpcError
+    from router_service.grpc.server import RpcError
     from router_service.serve_app import ClientErrorLogFilter
 
     class Wrapped(Exception):  # as Serve's gRPCStatusError carries the method's exception

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import yaml
 
-from actors.rendezvous import free_port
+from actors.rank.rendezvous import free_port
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
 
@@ -35,7 +35,7 @@ def _request(port, method, path, body=None, timeout=60):
 def served(ray_session, tiny_moe_dir):
     from ray import serve
 
-    from router_service.http_models import ServeAppArgs
+    from router_service.http.models import ServeAppArgs
 
     with open(os.path.join(REPO, "deploy", "serve_config.yaml")) as f:
         (app_cfg,) = yaml.safe_load(f)["applications"]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from router_service.routing import stats
-from router_service.routing.prefetch import (
+from actors.moe import stats
+from actors.prefetch.predictors import (
     DEFAULT_WEIGHTS,
     PREDICTORS,
     ExpertPredictor,
@@ -214,7 +214,7 @@ def test_list_path_matches_tensor_path(name, compiled, monkeypatch):
     count) when read back, with batches of 1 and 3 tokens, padded (-1) ids and tokens without a predecessor."""
     import random
 
-    from kernels import cpu_kernels
+    from kernels import cpu as cpu_kernels
 
     if not compiled:
         monkeypatch.setattr(cpu_kernels, "_lib", None)

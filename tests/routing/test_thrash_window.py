@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from router_service.routing.gating import GatingBatch, GatingConfig, GatingRouter
+from actors.moe.gating import GatingBatch, GatingConfig, GatingRouter
 
 E, K, L, D = 8, 2, 3, 4
 

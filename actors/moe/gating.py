@@ -14,7 +14,7 @@ and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than
   every `balance_every` routed tokens (or every call, if fewer), b_i += u * sign(mean load - load_i) over
   that chunk's loads. Weights stay the unbiased scores. Selection runs in the fused kernel. With several
   ranks each updates b from its own tokens and the engine averages b over the EP group every
-  `actors.engine.BIAS_SYNC_STEPS` steps, so the correction follows the cluster's load.
+  `actors.engine.engine.BIAS_SYNC_STEPS` steps, so the correction follows the cluster's load.
 - `capacity`: each expert takes at most C = ceil(capacity_factor * T * K / E) tokens per call. In round
   j = 0..E-1 every token still short of K experts proposes its j-th best expert; an expert accepts the
   highest-scoring proposals up to its remaining room. C * E >= T * K, so every token ends with K experts:

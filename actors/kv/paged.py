@@ -104,7 +104,7 @@ class PagedKVCache(KVCache):
         self.v[layer].view(-1, H, D)[slots_T] = v_THD
 
     def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
-        from actors.attention import paged_attention
+        from actors.model.attention import paged_attention
 
         self.write(layer, rotary.apply(k_THD, positions_T), v_THD, meta.slot_mapping)
         return paged_attention(q_THD, self.k[layer], self.v[layer], meta, scale)

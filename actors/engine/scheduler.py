@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from actors.detokenizer import IncrementalDetokenizer
-from actors.kv_cache import BlockAllocator
-from actors.sampling import SamplingParams
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.kv.paged import BlockAllocator
+from actors.engine.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

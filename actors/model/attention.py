@@ -3,7 +3,7 @@
 Reference (`paged_attention_ref`): decode sequences (one new token each) are batched: their blocks are
 gathered through the block table and attended with a length mask. Prefill sequences are attended one by
 one, causally, over their cached prefix plus the new tokens. `paged_attention` runs the decode sequences
-through the compiled CPU kernel (`kernels.cpu_kernels.decode_attention`: one pass over the blocks, no gather
+through the compiled CPU kernel (`kernels.cpu.decode_attention`: one pass over the blocks, no gather
 or mask) when it applies, and the reference for the rest.
 
 Shape legend: T = tokens in the step, B = decode sequences, H = query heads, Hkv = KV heads,
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import decode_attention
+from kernels.cpu import decode_attention
 
 
 @dataclass(kw_only=True, slots=True)

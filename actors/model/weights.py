@@ -17,7 +17,7 @@ Internal names (shapes; D = hidden, I = expert intermediate, E_loc = local exper
 Dtypes: everything is cast to the compute dtype, except that with `keep_bf16=True` the matrices that a
 layer multiplies by (every name above but the norms and biases) stay bf16 when the checkpoint stores them
 in bf16. Their values are then exactly the checkpoint's and cost half the bytes of fp32;
-`kernels.cpu_kernels.linear` multiplies them by fp32 activations with fp32 accumulation.
+`kernels.cpu.linear` multiplies them by fp32 activations with fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
-from actors.config import ModelConfig
+from actors.model.config import ModelConfig
 
 
 class CheckpointReader:
@@ -97,7 +97,7 @@ def load_expert_weights(reader: CheckpointReader, cfg: ModelConfig, l: int, expe
     """Stack the given experts of layer `l`: returns (w_gate_up [E_loc, 2I, D], w_down [E_loc, D, I]) in `dtype`
     (bf16 when `keep_bf16` and the checkpoint stores them in bf16; see the module docstring).
 
-    A packed checkpoint (`actors.packed_checkpoint`) has no full-precision experts: both come back with
+    A packed checkpoint (`actors.experts.checkpoint`) has no full-precision experts: both come back with
     E_loc = 0 and the engine reads the packed experts itself.
     """
     p = _moe_prefix(reader, l)

@@ -2,7 +2,7 @@
 
 `step()` must be called on every rank of the EP group the same number of times (the all-to-all
 collectives inside the MoE layers pair up across ranks); a rank with nothing scheduled runs the
-forward with zero tokens. The lockstep loop that guarantees this lives in `actors.rank_actor`.
+forward with zero tokens. The lockstep loop that guarantees this lives in `actors.rank.worker`.
 
 Shape legend: T = tokens in the step, N = sequences needing logits, V = vocab.
 """
@@ -16,18 +16,18 @@ import torch
 import torch.distributed as dist
 from tokenizers import Tokenizer
 
-from actors.attention import AttentionMetadata
-from actors.config import ModelConfig
-from actors.detokenizer import IncrementalDetokenizer
-from actors.dispatch import AllToAllDispatcher, ExpertPlacement
-from actors.kv_cache import PagedKVCache
-from actors.messages import GenerateRequest, TokenOutput
-from actors.model import MoEModel
-from actors.sampling import KV_PROFILE_AUTO, SamplingParams, sample
-from actors.scheduler import Scheduler, Sequence
-from actors.weights import load_rank_weights
-from kernels.cpu_kernels import cpu_kernels_available
-from router_service.routing.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
+from actors.model.attention import AttentionMetadata
+from actors.model.config import ModelConfig
+from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.kv.paged import PagedKVCache
+from actors.engine.messages import GenerateRequest, TokenOutput
+from actors.model.model import MoEModel
+from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, sample
+from actors.engine.scheduler import Scheduler, Sequence
+from actors.model.weights import load_rank_weights
+from kernels.cpu import cpu_kernels_available
+from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
 
 # engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
 BIAS_SYNC_STEPS = 16
@@ -40,7 +40,7 @@ class EngineConfig:
     kv_cache_bytes: KV memory budget of this rank in bytes. block_size: tokens per KV block.
     max_model_len: prompt + output tokens per sequence at most. dtype: compute dtype name.
     weight_storage: "auto" keeps the weight matrices of a bf16 checkpoint in bf16 when computing in fp32 on
-    CPU and the bf16-weight kernel is available (`kernels.cpu_kernels`: same values, half the bytes read per
+    CPU and the bf16-weight kernel is available (`kernels.cpu`: same values, half the bytes read per
     decode step); "compute" casts every weight to `dtype`.
     """
 
@@ -65,9 +65,9 @@ class EngineConfig:
     expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: 0 on CPU, else all)
     prefetch: str = "none"  # expert prefetch predictor name
     # packed experts per layer kept in memory (None: all); fewer are read on demand from the memory-mapped
-    # packed checkpoint (the cold tier, actors.expert_store.ColdExpertTier)
+    # packed checkpoint (the cold tier, actors.experts.store.ColdExpertTier)
     resident_experts: int | None = None
-    # gating policy of the deployment (router_service.routing.gating.POLICIES) and its knobs (GatingConfig)
+    # gating policy of the deployment (actors.moe.gating.POLICIES) and its knobs (GatingConfig)
     gating: str = "exact"
     gating_options: dict | None = None
     device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
@@ -179,10 +179,10 @@ class RankEngine:
 
     # ------------------------------------------------------------------------ seams
     def _build_kv_cache(self):
-        """The KV cache behind `actors.kv_cache.KVCache` (full precision unless kv_bits is set)."""
+        """The KV cache behind `actors.kv.paged.KVCache` (full precision unless kv_bits is set)."""
         cfg, mc, dtype = self.cfg, self.model_cfg, self.cfg.torch_dtype
         if cfg.kv_bits is not None:
-            from actors.kv_quant_cache import build_engine_kv_cache
+            from actors.kv.quantized import build_engine_kv_cache
 
             return build_engine_kv_cache(cfg, mc)
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
@@ -196,10 +196,10 @@ class RankEngine:
     def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
         """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers).
 
-        Packed experts + expert cache + prefetch (`actors.expert_store`) when weight_bits is set or the model
+        Packed experts + expert cache + prefetch (`actors.experts.store`) when weight_bits is set or the model
         folder is a packed checkpoint; `self.expert_runtime` then holds them (None otherwise).
         """
-        from actors.expert_store import build_engine_experts
+        from actors.experts.store import build_engine_experts
 
         self.expert_runtime = build_engine_experts(self.cfg, self.model_cfg, self.model, weights, local)
         if self.expert_runtime is None:
@@ -212,11 +212,11 @@ class RankEngine:
         touching the running engine, so it may run on another thread while steps go on.
 
         Experts this rank already holds are copied from memory (plain path); the others are read from the
-        checkpoint (`actors.weights`, only their slices). Returns {layers.{l}.w_gate_up [E_loc, 2I, D],
+        checkpoint (`actors.model.weights`, only their slices). Returns {layers.{l}.w_gate_up [E_loc, 2I, D],
         layers.{l}.w_down [E_loc, D, I]} per MoE layer (E_loc = 0 for a packed checkpoint: the expert store
         reads those itself). Raises ValueError if the placement's world size or layer count does not match.
         """
-        from actors.weights import CheckpointReader, load_expert_weights
+        from actors.model.weights import CheckpointReader, load_expert_weights
 
         mc, dtype = self.model_cfg, self.cfg.torch_dtype
         old = self.dispatcher.placement
@@ -242,12 +242,12 @@ class RankEngine:
     def apply_placement(self, placement: ExpertPlacement, prepared: dict[str, torch.Tensor] | None = None) -> None:
         """Switch this rank to `placement`: its expert shard, the experts seam and the dispatcher tables.
 
-        Call on the step thread between steps, on every rank at the same step (`actors.rank_actor` does);
+        Call on the step thread between steps, on every rank at the same step (`actors.rank.worker` does);
         sequences, KV cache and non-expert weights are untouched, so no request is lost. `prepared`: the
         result of `prepare_placement(placement)` (read now if None). The packed path (weight_bits or a
         packed checkpoint) rebuilds its expert store; its cache and prefetch statistics start over.
         """
-        from actors.experts import LocalExperts
+        from actors.moe.experts import LocalExperts
 
         if prepared is None:
             prepared = self.prepare_placement(placement)

@@ -15,26 +15,26 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from actors.attention import AttentionMetadata
-from actors.config import ModelConfig
-from actors.dispatch import Dispatcher
-from actors.experts import LocalExperts
-from actors.kv_cache import KVCache
-from actors.layers import Rotary, rms_norm, swiglu_mlp
-from kernels.cpu_kernels import linear
+from actors.model.attention import AttentionMetadata
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import Dispatcher
+from actors.moe.experts import LocalExperts
+from actors.kv.paged import KVCache
+from actors.model.layers import Rotary, rms_norm, swiglu_mlp
+from kernels.cpu import linear
 from kernels.gating import topk_softmax_ref
-from router_service.routing.gating import GatingBatch, GatingRouter
+from actors.moe.gating import GatingBatch, GatingRouter
 
 
 class MoEModel:
     """Weights of one rank (replicated dense part + its expert shard) and the forward pass.
 
     Args:
-        cfg: model configuration. weights: dict from `actors.weights.load_rank_weights`.
+        cfg: model configuration. weights: dict from `actors.model.weights.load_rank_weights`.
         dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
         max_positions: RoPE table length (default: the config's max_position_embeddings).
 
-    Routing: `gating_router` (a `router_service.routing.gating.GatingRouter`, set by the engine) picks the
+    Routing: `gating_router` (a `actors.moe.gating.GatingRouter`, set by the engine) picks the
     experts when `forward` gets a `GatingBatch`; otherwise the model's own top-k routing (`exact`) runs.
     """
 
@@ -42,7 +42,7 @@ class MoEModel:
                  max_positions: int | None = None):
         self.cfg = cfg
         self.w = weights
-        # compute dtype: the norms are always in it; matrices may be stored bf16 (`actors.weights`, keep_bf16)
+        # compute dtype: the norms are always in it; matrices may be stored bf16 (`actors.model.weights`, keep_bf16)
         self.dtype = weights["norm"].dtype
         self.device = weights["norm"].device
         self.dispatcher = dispatcher
@@ -155,7 +155,7 @@ class MoEModel:
         x = rms_norm(h, w["layers.0.input_norm"], eps)
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
-            # residual add + the next norm in one call (`kernels.cpu_kernels.rms_norm`)
+            # residual add + the next norm in one call (`kernels.cpu.rms_norm`)
             h, x = rms_norm(self.attention(l, x, positions_T, cache, meta), w[p + "post_norm"], eps, residual=h)
             if self.on_hidden is not None and cfg.moe_layers[l]:
                 self.on_hidden(l, h)

@@ -8,7 +8,7 @@ through shared memory instead, as vLLM's and SGLang's CPU backends do for their 
 collectives; this module measured ~0.1 ms per call on the same machine.
 
 What goes through it. Only collectives whose sizes every rank knows in advance: the lockstep loop's flag
-exchange and the fixed-capacity decode dispatch (`actors.dispatch.AllToAllDispatcher._run_fixed`), where
+exchange and the fixed-capacity decode dispatch (`actors.moe.dispatch.AllToAllDispatcher._run_fixed`), where
 every rank sends every rank the same number of bytes. The uneven, counts-first all-to-all (prefill, large
 batches) stays on torch.distributed (gloo), as does everything else. All ranks run the same sequence of
 collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()` depends

@@ -47,13 +47,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from actors.config import ModelConfig
-from actors.dispatch import FIXED_MAX_ROWS, ExpertPlacement
-from actors.engine import EngineConfig, RankEngine
-from actors.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
-from actors.rendezvous import host_store, join_store
-from actors.shm_collective import ShmAllToAll
-from kernels.cpu_kernels import cpu_kernels_available
+from actors.model.config import ModelConfig
+from actors.moe.dispatch import FIXED_MAX_ROWS, ExpertPlacement
+from actors.engine.engine import EngineConfig, RankEngine
+from actors.engine.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
+from actors.rank.rendezvous import host_store, join_store
+from actors.rank.shm_collective import ShmAllToAll
+from kernels.cpu import cpu_kernels_available
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
 SHM_MAX_BYTES = 256 << 20  # the shared-memory transport's segment (both banks, all rank pairs) at most
@@ -106,7 +106,7 @@ class RankWorker:
             return "127.0.0.1"
 
     def open_rendezvous(self, timeout_s: float = 120.0) -> tuple[str, int]:
-        """Rank 0 only: start the process group's TCPStore server (`actors.rendezvous.host_store`, on a port the
+        """Rank 0 only: start the process group's TCPStore server (`actors.rank.rendezvous.host_store`, on a port the
         kernel picks and this process holds from then on) and return (node IP, port) for `setup`. Raises
         ValueError on any other rank."""
         if self.rank != 0:
@@ -121,7 +121,7 @@ class RankWorker:
 
         master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 uses its own; ValueError
         if it has none). transport: "auto" also opens the shared-memory
-        all-to-all (`actors.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
+        all-to-all (`actors.rank.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
         the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
         Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
         if transport not in ("auto", "torch"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import expert_ffn, linear
+from kernels.cpu import expert_ffn, linear
 
 
 # at most this many rows with distinct experts are run row by row (decode batches): fewer ops than sort + scatter
@@ -20,7 +20,7 @@ class LocalExperts:
 
     Args:
         w_gate_up: [E_loc, 2I, D] (gate rows first, then up), w_down: [E_loc, D, I], same dtype: the
-            compute dtype, or bf16 with fp32 activations (`kernels.cpu_kernels.linear`).
+            compute dtype, or bf16 with fp32 activations (`kernels.cpu.linear`).
     """
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):

@@ -17,7 +17,7 @@ A query at position p sees key j quantized iff Ns <= j < Ns + max(q_before_step,
 on the decode path (paged kernel) and the prefill path (dense, masked) alike, so teacher-forced prefill logits
 equal token-by-token decode logits.
 
-Mixed bit widths, one byte pool (sub-page allocation, actors/kv_pool.py). Every layer has one uint8 arena of
+Mixed bit widths, one byte pool (sub-page allocation, actors/kv/pool.py). Every layer has one uint8 arena of
 `num_pages` equal pages; page p is the same byte range in every layer's arena. A page holds T_b tokens of
 one width b (T_b = page bytes // bytes per token: 13 / 9 / 7 tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte
 pages), laid
@@ -58,9 +58,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from actors.kv_cache import BlockAllocator, KVCache
-from actors.kv_pool import MixedWidthPagePool, SequencePageTables, choose_page_bytes
-from actors.kv_profiles import AUTO, ModelKVProfile, choose_profile
+from actors.kv.paged import BlockAllocator, KVCache
+from actors.kv.pool import MixedWidthPagePool, SequencePageTables, choose_page_bytes
+from actors.kv.profiles import AUTO, ModelKVProfile, choose_profile
 from kernels.kv_quant import KVPages, dequantize_keys, dequantize_values, packed_bytes, quantize_kv
 from kernels.paged_attention import apply_rope, rope_tables
 
@@ -727,10 +727,10 @@ def build_engine_kv_cache(cfg, mc, *, device: torch.device | str = "cpu") -> Qua
         cfg: EngineConfig (kv_bits, kv_extra_bits, kv_profile, kv_cache_bytes, block_size, max_num_seqs, max_model_len,
             kernel_backend, dtype). mc: ModelConfig.
     Raises:
-        ValueError: no matching profile (see actors.kv_profiles.load_profiles), or the budget cannot hold the
+        ValueError: no matching profile (see actors.kv.profiles.load_profiles), or the budget cannot hold the
             profiles, the staging slots and one max_model_len sequence at the widest width.
     """
-    from actors.kv_profiles import RECOMMENDED_SINK_TOKENS, load_served_profiles
+    from actors.kv.profiles import RECOMMENDED_SINK_TOKENS, load_served_profiles
 
     profiles, default = load_served_profiles(cfg.model, cfg.kv_bits, cfg.kv_profile, cfg.kv_extra_bits, device)
     sink = RECOMMENDED_SINK_TOKENS  # what the shipped profiles were chosen with (bench/kv_quality.py)

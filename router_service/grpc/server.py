@@ -20,7 +20,7 @@ What both guarantee:
 The standalone server admits `max_queue + CONTROL_HEADROOM` concurrent calls (one thread each), so the
 router's queue limit, not the thread pool, decides when Generate gets RESOURCE_EXHAUSTED.
 
-`python -m router_service.grpc_server --model DIR --ranks 2 --port 50051` runs it alone (no Serve).
+`python -m router_service.grpc.server --model DIR --ranks 2 --port 50051` runs it alone (no Serve).
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ from typing import Iterable
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from actors.messages import TokenOutput
-from actors.sampling import SamplingParams
+from actors.engine.messages import TokenOutput
+from actors.engine.sampling import SamplingParams
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.config import DEFAULT_MODEL, ClusterConfig
     from cluster.launcher import EPCluster
 
-    ap = argparse.ArgumentParser(prog="python -m router_service.grpc_server")
+    ap = argparse.ArgumentParser(prog="python -m router_service.grpc.server")
     ap.add_argument("--model", default=os.environ.get("MOERAY_MODEL", DEFAULT_MODEL))
     ap.add_argument("--ranks", type=int, default=None)
     ap.add_argument("--host", default="127.0.0.1")

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import GateLogprobs, MarkovTables
-from router_service.routing.stats import RoutingStats, multi_hot
+from kernels.cpu import GateLogprobs, MarkovTables
+from actors.moe.stats import RoutingStats, multi_hot
 
 PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid")
 # Chosen by measurement (bench/experts.py, prequential recall on held-out prose and code of the tiny-moe model).
@@ -362,7 +362,7 @@ class FrequencyPredictor(ExpertPredictor):
 
     def observe_lists(self, layer, ids, prev_layer, prev_tok):
         """`TransitionCounts.observe` on Python lists: one compiled call on the count tensors where the CPU
-        kernels run (`kernels.cpu_kernels.MarkovTables`), else the Python copy now and the tensors on `counts`."""
+        kernels run (`kernels.cpu.MarkovTables`), else the Python copy now and the tensors on `counts`."""
         _ = self.counts  # applies any queued increments first
         if self._tables_c().observe(layer, ids, prev_layer, prev_tok):
             self._observed_c(layer, ids)

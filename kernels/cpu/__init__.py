@@ -24,9 +24,9 @@ per-op overhead of eager PyTorch (a few microseconds per op, ~550 ops per token 
 3. Packed experts: `packed_expert_ffn` runs SwiGLU experts straight from the packed codes
    (`kernels/packed_weights.py` layout), unpacking in registers with each group's scale and zero taken out of
    its sum, so ~4.5 bits per weight leave memory instead of 32 for a dequantized fp32 copy; on CPU that is no
-   slower than the copy, so the engine keeps none by default (`actors.expert_store.fused_path_runs`).
+   slower than the copy, so the engine keeps none by default (`actors.experts.store.fused_path_runs`).
    `MarkovTables`, `GateLogprobs` and `prefetch_step` do the expert predictor's per-layer decode bookkeeping
-   (the formulas of `router_service/routing/prefetch.py`) in one call each, where ~40 small Python and tensor
+   (the formulas of `actors/prefetch/predictors.py`) in one call each, where ~40 small Python and tensor
    ops cost ~0.3 ms.
 
 Every kernel has a PyTorch path with the same contract, used for other dtypes and devices, large batches, or
@@ -504,7 +504,7 @@ static long id_set(const long *row, long K, long E, long *out) {
     return n;
 }
 
-/* Markov counts of one layer (router_service/routing/prefetch.py: TransitionCounts; float64): for each token t
+/* Markov counts of one layer (actors/prefetch/predictors.py: TransitionCounts; float64): for each token t
    with expert set B_t (ids [T, K], -1 padded): freq[b] += 1, inter[a, b] += 1 for a in the token's set at the
    previous MoE layer (pl [T, Kp], or 0), intra[a, b] += 1 for a in its predecessor's set here (pt [T, Kt], or 0). */
 void moeray_markov_observe(double *freq, double *inter, double *intra, long E, long T, const long *ids, long K,
@@ -578,7 +578,7 @@ void moeray_gate_logprobs(const float *h, long sh, long T, long D, const float *
     }
 }
 
-/* One MoE layer of a decode step's expert-prediction bookkeeping (actors/expert_store.py: ExpertRuntime), for
+/* One MoE layer of a decode step's expert-prediction bookkeeping (actors/experts/store.py: ExpertRuntime), for
    T tokens, in one call:
    1. score the prediction made for this layer (pred [T, B], or 0) against its routing ids [T, K]:
       stats[0..3] += (sum |pred_t & B_t|, sum |pred_t|, sum |B_t|, T);
@@ -886,7 +886,7 @@ def expert_ffn(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
 
 def pack_fixed_rows(x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
                     world: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The fixed-capacity dispatch's send buffer in one call (`actors.dispatch.AllToAllDispatcher._run_fixed`).
+    """The fixed-capacity dispatch's send buffer in one call (`actors.moe.dispatch.AllToAllDispatcher._run_fixed`).
 
     Args:
         x_TD: [T, D] fp32 contiguous token rows. tok_V / dest_V / local_V: int64 [V] token, destination rank and
@@ -1074,7 +1074,7 @@ def _id_rows(rows: list[list[int]] | None) -> tuple[ctypes.Array | None, int]:
 
 
 class MarkovTables:
-    """Compiled decode-step access to Markov transition counts (`router_service.routing.prefetch`'s
+    """Compiled decode-step access to Markov transition counts (`actors.prefetch.predictors`'s
     `TransitionCounts`): pointers checked and computed once, then one C call per layer and step.
 
     Args:

@@ -12,11 +12,11 @@ Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moera
   quantization_config.json                                   {"format": "moeray-packed", "version": 1, bits,
                                                              group_size, codebook, effective_bits, ...}
   expert_transitions.safetensors (optional)                  Markov calibration counts
-                                                             (`router_service.routing.prefetch`)
+                                                             (`actors.prefetch.predictors`)
 
 `load_packed_experts` reads only the requested experts' rows of each stack (safetensors slices), so an EP
 rank never materialises the other ranks' experts. `PackedExpertReader` reads one expert at a time from the
-memory-mapped files: the source of the cold tier (`actors.expert_store.ColdExpertTier`), for models whose
+memory-mapped files: the source of the cold tier (`actors.experts.store.ColdExpertTier`), for models whose
 packed experts do not fit in memory.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 from safetensors import safe_open
 
-from actors.config import ModelConfig
-from actors.weights import CheckpointReader, _moe_prefix, load_expert_weights
+from actors.model.config import ModelConfig
+from actors.model.weights import CheckpointReader, _moe_prefix, load_expert_weights
 from kernels.packed_weights import PackedExperts, PackedWeight, quantize, words_per_row
-from router_service.routing.prefetch import TRANSITIONS_FILE
+from actors.prefetch.predictors import TRANSITIONS_FILE
 
 QUANT_CONFIG = "quantization_config.json"
 FORMAT = "moeray-packed"

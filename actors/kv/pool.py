@@ -19,7 +19,7 @@ Target: <= 5% on 200 sequences with lengths uniform in [1, 1024], widths mixed, 
 
 Page p as a `KVPages` block of one width is the byte range [p * page_bytes, p * page_bytes + tokens * bytes)
 of one arena; with the same page stride for every width, each layer's arrays are strided views of the arena.
-`QuantizedPagedKVCache` (actors/kv_quant_cache.py) stores its sealed tokens this way, and keeps its per-sequence
+`QuantizedPagedKVCache` (actors/kv/quantized.py) stores its sealed tokens this way, and keeps its per-sequence
 page tables in `SequencePageTables` below: append-only placement of quantized tokens, copy-on-write `fork`
 (pages shared by reference count; the one page a sequence writes into next is copied first if shared),
 `truncate` (pages past the cut return to the free list; a partially kept page stays and is masked by the
@@ -33,7 +33,7 @@ import random
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from actors.kv_cache import BlockAllocator
+from actors.kv.paged import BlockAllocator
 
 
 def choose_page_bytes(bytes_per_token: dict[int, int], *, lo: int = 2048, hi: int = 32768, step: int = 16,

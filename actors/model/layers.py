@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import linear, rms_norm  # noqa: F401 - rms_norm is part of this module's API
+from kernels.cpu import linear, rms_norm  # noqa: F401 - rms_norm is part of this module's API
 from kernels.paged_attention import rope_tables
 
 

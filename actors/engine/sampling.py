@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from router_service.routing.gating import POLICIES
+from actors.moe.gating import POLICIES
 
 MAX_STOP_STRINGS = 16
 # KV quantization profile names a request may give: the calibration domain ("prose", "code") or "auto".
 # No path separators, so a request can only pick among the profiles the ranks loaded, never name a file.
-KV_PROFILE_AUTO = "auto"  # == actors.kv_profiles.AUTO (not imported: that module pulls in the kernels)
+KV_PROFILE_AUTO = "auto"  # == actors.kv.profiles.AUTO (not imported: that module pulls in the kernels)
 MAX_KV_PROFILE_LEN = 64
 _KV_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -42,7 +42,7 @@ def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | No
                        kv_extra_bits: tuple[int, ...] = ()) -> tuple[str, ...]:
     """Names of the KV quantization profiles ranks started with (`kv_bits`, `kv_profile` engine options) load.
 
-    Resolved exactly as the ranks resolve them (`actors.kv_profiles.load_served_profiles`, same model folder
+    Resolved exactly as the ranks resolve them (`actors.kv.profiles.load_served_profiles`, same model folder
     and options; `kv_extra_bits` widths are named "<name>-<b>bit"), once per argument tuple (the profiles are a few KiB per layer). Returns () for a full-precision
     KV cache (`kv_bits` None).
 
@@ -51,7 +51,7 @@ def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | No
     """
     if kv_bits is None:
         return ()
-    from actors.kv_profiles import load_served_profiles
+    from actors.kv.profiles import load_served_profiles
 
     profiles, _ = load_served_profiles(model_dir, kv_bits, kv_profile, tuple(kv_extra_bits))
     return tuple(sorted(profiles))
@@ -65,9 +65,9 @@ class SamplingParams:
     top_p: in (0, 1]. max_tokens: >= 1 output tokens. seed: per-request RNG seed (None: random).
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
     it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
-    gating: this request's gating policy (`router_service.routing.gating.POLICIES`), None = the deployment's.
+    gating: this request's gating policy (`actors.moe.gating.POLICIES`), None = the deployment's.
     kv_profile: this request's KV quantization profile (a calibrated profile name such as "prose" or "code", or
-    "auto": chosen from the prompt text by `actors.kv_profiles.choose_profile`); None = the deployment's
+    "auto": chosen from the prompt text by `actors.kv.profiles.choose_profile`); None = the deployment's
     default (`--kv-profile`). Only a quantized KV cache (`--kv-bits`) has profiles: there, a name the ranks did
     not load is an error; on a full-precision cache any name but "auto" is an error (`check_kv_profile`).
 

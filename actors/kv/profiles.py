@@ -257,7 +257,7 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
     """Run the model on `token_ids` in non-overlapping windows and collect every layer's pre-RoPE K and V.
 
     Args:
-        engine: an `actors.engine.RankEngine` (world size 1) holding the model; its cache is used for
+        engine: an `actors.engine.engine.RankEngine` (world size 1) holding the model; its cache is used for
             attention (full precision is what calibration should see).
         token_ids: the calibration text, tokenized.
         window: tokens per forward (<= the engine's max_model_len).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.cpu_kernels import pack_fixed_rows
+from kernels.cpu import pack_fixed_rows
 
 Replica = tuple[int, int]  # (rank, local row on that rank)
 
@@ -187,7 +187,7 @@ class AllToAllDispatcher(Dispatcher):
         self.world = placement.world_size
         self.group = group
         self.device = torch.device(device)
-        # same-node shared-memory transport for the fixed-capacity exchange (`actors.shm_collective`; set by the
+        # same-node shared-memory transport for the fixed-capacity exchange (`actors.rank.shm_collective`; set by the
         # rank actor when every rank is on one node), else None: torch.distributed for everything
         self.shm = None
         self.comm_s = 0.0

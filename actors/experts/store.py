@@ -9,10 +9,10 @@ Per MoE layer the rank keeps
     unless the cold tier below is on);
   * an `ExpertCache` of up to C_loc of them dequantized in the compute dtype (C experts per layer overall,
     C_loc = ceil(C * E_loc / E) on this rank).
-A layer call (`PackedLayerExperts`, the `actors.experts.LocalExperts` contract) serves each expert it needs
+A layer call (`PackedLayerExperts`, the `actors.moe.experts.LocalExperts` contract) serves each expert it needs
 from the cache when it is ready there (hit: a dense matmul) and otherwise runs the fused dequant path on the
 packed weights directly (miss: `packed_expert_ffn`, Triton, the compiled CPU kernel
-`kernels.cpu_kernels.packed_expert_ffn` for decode-sized rows, or the PyTorch reference). On CPU that kernel is
+`kernels.cpu.packed_expert_ffn` for decode-sized rows, or the PyTorch reference). On CPU that kernel is
 no slower than a hit, so the cache defaults to empty there (`fused_path_runs`). It never waits for a
 load: experts become ready only through a `PrefetchWorker` thread, which fills the cache with the experts a
 predictor expects at the next layer (and, after a miss, with the missed expert), overlapping the current
@@ -55,18 +55,18 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from actors.config import ModelConfig
-from actors.packed_checkpoint import (
+from actors.model.config import ModelConfig
+from actors.experts.checkpoint import (
     PackedExpertReader,
     is_packed_checkpoint,
     load_packed_experts,
     read_quant_config,
 )
-from kernels.cpu_kernels import MAX_KERNEL_ROWS, PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
-from kernels.cpu_kernels import packed_expert_ffn as packed_expert_ffn_cpu
+from kernels.cpu import MAX_KERNEL_ROWS, PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
+from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
-from router_service.routing.gating import POLICIES, GatingBatch
-from router_service.routing.prefetch import (
+from actors.moe.gating import POLICIES, GatingBatch
+from actors.prefetch.predictors import (
     DEFAULT_PREDICTOR,
     PREDICTORS,
     TRANSITIONS_FILE,
@@ -79,7 +79,7 @@ from router_service.routing.prefetch import (
     keep_previous_first,
     make_predictor,
 )
-from router_service.routing.stats import RoutingStats, jaccard_distance
+from actors.moe.stats import RoutingStats, jaccard_distance
 
 log = logging.getLogger("moeray.experts")
 
@@ -529,7 +529,7 @@ class PackedLayerExperts:
         # The reference miss path dequantizes the whole expert anyway: it computes on the dequantized pair and
         # hands it to the cache itself, so a demand fill costs nothing more (the worker would dequantize again).
         self.inline_fill = backend == "torch"
-        # CPU: the compiled fused path (`kernels.cpu_kernels.packed_expert_ffn`) serves decode-sized misses straight
+        # CPU: the compiled fused path (`kernels.cpu.packed_expert_ffn`) serves decode-sized misses straight
         # from the packed bytes, and the worker's fills dequantize through it; None where it cannot run.
         # With a cold tier the same kernel runs on the slot stack (slot ids for expert ids).
         self._cffn = None
@@ -997,7 +997,7 @@ class ExpertRuntime:
 
     def _compiled_step(self, l: int, ids_TK: torch.Tensor, h_TD: torch.Tensor | None) -> bool:
         """`_on_route_small` for the Markov and hybrid predictors in one compiled call
-        (`kernels.cpu_kernels.prefetch_step`: scoring, thrash, learning, the next layer's prediction and top-B);
+        (`kernels.cpu.prefetch_step`: scoring, thrash, learning, the next layer's prediction and top-B);
         same counters, counts and predictions. False (nothing done) where it cannot run."""
         pred = self.predictor
         if pred.name not in ("markov", "hybrid") or ids_TK.dtype != torch.int64 or ids_TK.device.type != "cpu":
@@ -1217,7 +1217,7 @@ def quantize_local_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, *, bit
 
 def fused_path_runs(device: torch.device | str, backend: str, dtype: torch.dtype) -> bool:
     """True where a decode-sized miss runs the compiled fused kernel on the packed bytes
-    (`kernels.cpu_kernels.packed_expert_ffn`: CPU, the torch backend, fp32 activations, kernels built).
+    (`kernels.cpu.packed_expert_ffn`: CPU, the torch backend, fp32 activations, kernels built).
 
     There the dequantized expert cache does not pay, so `expert_cache_capacity` defaults to 0: the fused kernel
     reads ~4.5 bits per weight (4-bit, group 64) and unpacks in registers, while a cached fp32 copy is 32 bits per
@@ -1312,7 +1312,7 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
         if cfg.weight_bits is not None and cfg.weight_bits != qc["bits"]:
             raise ValueError(f"weight_bits={cfg.weight_bits} but model={cfg.model!r} is already packed at "
                              f"bits={qc['bits']}; quantize the full-precision checkpoint instead")
-        from actors.weights import CheckpointReader
+        from actors.model.weights import CheckpointReader
 
         reader = CheckpointReader(cfg.model)
         if resident is not None and resident < mc.num_experts:

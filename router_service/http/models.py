@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.sampling import MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
-from router_service.routing.gating import POLICIES
+from actors.engine.sampling import MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
+from actors.moe.gating import POLICIES
 
 MAX_N = 8  # completions per prompt at most (`n`)
 MAX_PROMPTS = 16  # prompts in one /v1/completions call at most

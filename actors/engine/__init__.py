@@ -1,0 +1,1 @@
+"""One rank's engine: scheduler, sampling, detokenizer, router <-> rank messages."""

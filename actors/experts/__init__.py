@@ -1,0 +1,1 @@
+"""Packed routed experts of one rank: expert cache, cold tier, prefetch worker, runtime, builders."""

@@ -1,0 +1,1 @@
+"""The model of one rank: config, checkpoint weights, layers, attention and the decoder forward."""

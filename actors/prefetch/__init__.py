@@ -1,0 +1,1 @@
+"""Online expert prediction: which experts the next layer will use, for the expert cache's prefetch."""

@@ -1,0 +1,1 @@
+"""The Ray actor of one rank: lockstep loop, output channel, shared-memory collective, rendezvous."""

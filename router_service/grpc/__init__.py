@@ -1,0 +1,1 @@
+"""The gRPC front door (protobuf `moeray.v1.Moeray`)."""

@@ -1,0 +1,1 @@
+"""OpenAI-style HTTP: request models and the FastAPI app."""
