@@ -62,7 +62,8 @@ from actors.experts.checkpoint import (
     load_packed_experts,
     read_quant_config,
 )
-from kernels.cpu import MAX_KERNEL_ROWS, PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
+from kernels import tuning
+from kernels.cpu import PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
 from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
 from actors.moe.gating import POLICIES, GatingBatch
@@ -84,10 +85,6 @@ from actors.moe.stats import RoutingStats, jaccard_distance
 log = logging.getLogger("moeray.experts")
 
 EVICTION_POLICIES = ("lru", "lfu", "predicted")
-# A step of at most this many token x expert cells does its prediction bookkeeping on Python lists (decode); larger
-# steps (prefill, big batches) use tensor ops. Measured on tiny-moe (E = 8) at batch 1 on CPU: the tensor path cost
-# ~1.5 ms per MoE layer, about a whole step's expert compute; the list path ~0.1 ms.
-SMALL_STEP_CELLS = 512
 
 
 # The Triton interpreter patches `triton.language` globally while a kernel runs, so two threads must not
@@ -683,7 +680,7 @@ class PackedLayerExperts:
             if self.demand_fill and self.cache.capacity:
                 self.request(misses, protect=set(used), prefetch=False)
         elif (misses and self._cffn is not None and self.tier is None
-              and sum(int(counts[e]) for e in misses) <= MAX_KERNEL_ROWS):
+              and sum(int(counts[e]) for e in misses) <= tuning.MAX_KERNEL_ROWS):
             rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
             ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
                                              self._cffn)
@@ -730,7 +727,7 @@ class PackedLayerExperts:
                     slot_counts[s] = counts[e]
                 rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e, _ in by_slot]).to(xs.device)
                 y = None
-                if self._cffn is not None and len(rows) <= MAX_KERNEL_ROWS:  # CPU: the compiled fused kernel
+                if self._cffn is not None and len(rows) <= tuning.MAX_KERNEL_ROWS:  # CPU: the compiled fused kernel
                     y = packed_expert_ffn_cpu(xs[rows], [s for e, s in by_slot for _ in range(int(counts[e]))],
                                               self._cffn)
                 ys[rows] = y if y is not None else self._ffn(xs[rows], slot_counts, tier.pool)
@@ -896,7 +893,7 @@ class ExpertRuntime:
                 key[t] = int(k)
         # Small steps (decode) keep every piece of bookkeeping in Python lists: a few dozen tiny tensor ops per
         # layer cost more than the layer's experts at batch 1 (see `SMALL_STEP_CELLS`).
-        self._small = T * self.num_experts <= SMALL_STEP_CELLS
+        self._small = T * self.num_experts <= tuning.SMALL_STEP_CELLS
         self._key = key
         self._prev = prev if self._small else torch.tensor(prev, dtype=torch.int64)
         self._sticky = self._sticky_tokens(gating, T)

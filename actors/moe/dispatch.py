@@ -19,7 +19,6 @@ experts, M = most replicas of one expert in a layer.
 """
 from __future__ import annotations
 
-import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels import tuning
 from kernels.cpu import pack_fixed_rows
 
 Replica = tuple[int, int]  # (rank, local row on that rank)
@@ -151,9 +151,6 @@ def water_fill(loads: list[int], n: int, prefer: list[int]) -> list[int]:
     return alloc
 
 
-# fixed-capacity dispatch when every rank sends every rank at most this many rows (see AllToAllDispatcher);
-# the environment variable sets it for A/B runs (0: always exchange counts)
-FIXED_MAX_ROWS = int(os.environ.get("MOERAY_FIXED_DISPATCH_ROWS", "256"))
 
 
 class Dispatcher(ABC):
@@ -336,7 +333,7 @@ class AllToAllDispatcher(Dispatcher):
         if self.world == 1:
             self._sent[layer, 0] += ids_V.numel()
             y_V = experts(x_TD[tok_V], local_V)
-        elif self.step_max_tokens is not None and self.step_max_tokens * self.max_experts_per_token <= FIXED_MAX_ROWS:
+        elif self.step_max_tokens is not None and self.step_max_tokens * self.max_experts_per_token <= tuning.FIXED_MAX_ROWS:
             # every rank computes the same C from agreed values only (never from its own K, which policies vary)
             if K > self.max_experts_per_token:
                 raise RuntimeError(f"{K} experts per token exceed max_experts_per_token={self.max_experts_per_token}")

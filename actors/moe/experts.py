@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import tuning
 from kernels.cpu import expert_ffn, linear
 
 
-# at most this many rows with distinct experts are run row by row (decode batches): fewer ops than sort + scatter
-SMALL_ROWS = 4
 
 
 class LocalExperts:
@@ -34,7 +33,7 @@ class LocalExperts:
         y = torch.empty_like(x_RD)
         if x_RD.shape[0] == 0:
             return y
-        if x_RD.shape[0] <= SMALL_ROWS:  # decode: one compiled call (bf16 weights), else one host read of the ids
+        if x_RD.shape[0] <= tuning.SMALL_ROWS:  # decode: one compiled call (bf16 weights), else one host read of the ids
             fused = expert_ffn(x_RD, self.w_gate_up, self.w_down, local_ids_R)
             if fused is not None:
                 return fused

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import tuning
 from kernels.gating import sanitize_router_logits, select_experts_ref
 
 POLICIES = ("exact", "balanced", "capacity", "dynamic", "velocity", "sticky")
@@ -535,7 +536,7 @@ class GatingRouter:
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
         ids = torch.topk(probs, K, dim=-1).indices
         stored = self.state.prev_ids[batch.slots_T, layer, :K]
-        if not batch.has_inner and 0 < T <= _STICK_LIST_ROWS:
+        if not batch.has_inner and 0 < T <= tuning.STICK_LIST_ROWS:
             # a decode step: every row's predecessor is stored; the rule on Python lists beats ~30 tiny ops
             prev = torch.where(batch.fresh_T[:, None], torch.full_like(stored, -1), stored)
             ids = _stick_lists(probs.tolist(), ids.tolist(), prev.tolist(), self.cfg.sticky_margin, ids.device)
@@ -558,7 +559,6 @@ class GatingRouter:
                 "experts_per_token": int(self.experts_used) / routed if routed else float("nan")}
 
 
-_STICK_LIST_ROWS = 32  # decode rows up to which `_stick_lists` runs instead of the tensor ops of `_stick`
 
 
 def _stick_rows(probs: list, new: list, prev: list, margin: float) -> None:

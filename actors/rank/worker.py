@@ -48,11 +48,12 @@ import torch
 import torch.distributed as dist
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import FIXED_MAX_ROWS, ExpertPlacement
+from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
 from actors.engine.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
+from kernels import tuning
 from kernels.cpu import cpu_kernels_available
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
@@ -138,7 +139,7 @@ class RankWorker:
                 # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
                 # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
                 hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
-                slot = min(FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
+                slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
                 self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group)
         self.engine.dispatcher.shm = self.shm

@@ -50,11 +50,10 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from kernels import tuning
+
 log = logging.getLogger(__name__)
 
-# the kernel runs batches of at most this many rows; larger batches (prefill) widen the weight once and run
-# torch's GEMM, where the O(M N K) work hides the widening and torch's threads help
-MAX_KERNEL_ROWS = 16
 
 # -fno-semantic-interposition: with -fPIC alone gcc ran the packed-expert kernel ~2.5x slower (measured)
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-fno-semantic-interposition", "-std=c99"]
@@ -756,7 +755,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
     if (w.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and x.shape[0] <= MAX_KERNEL_ROWS and w.is_contiguous() and x.stride(1) == 1):
+            and x.shape[0] <= tuning.MAX_KERNEL_ROWS and w.is_contiguous() and x.stride(1) == 1):
         lib = _kernels()
         if lib is not None:
             M, K = x.shape
@@ -861,7 +860,7 @@ def expert_ffn(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     """
     lib = _kernels()
     R = ids_R.numel()
-    if (lib is None or R > MAX_KERNEL_ROWS or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16
+    if (lib is None or R > tuning.MAX_KERNEL_ROWS or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16
             or not _f32_cpu(x_RD) or not (w_gate_up.is_contiguous() and w_down.is_contiguous())
             or x_RD.stride(-1) != 1 or (weights_R is not None and not _f32_cpu(weights_R))):
         return None
@@ -1015,7 +1014,7 @@ def packed_expert_ffn(x_RD: torch.Tensor, ids_R: list[int] | torch.Tensor, packe
     lib = _kernels()
     ids = ids_R if isinstance(ids_R, list) else ids_R.tolist()
     R = len(ids)
-    if lib is None or not packed.ok or R > MAX_KERNEL_ROWS or not _f32_cpu(x_RD) or x_RD.stride(-1) != 1:
+    if lib is None or not packed.ok or R > tuning.MAX_KERNEL_ROWS or not _f32_cpu(x_RD) or x_RD.stride(-1) != 1:
         return None
     D, I = packed.hidden, packed.intermediate
     if x_RD.shape[-1] != D or (x_RD.shape[0] != R and x_RD.shape[0] != 1):
@@ -1043,7 +1042,7 @@ def swiglu_f32(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     """
     lib = _kernels()
     R = x_RD.shape[0]
-    if (lib is None or R > MAX_KERNEL_ROWS or not _f32_cpu(x_RD, w_gate_up, w_down) or x_RD.stride(-1) != 1
+    if (lib is None or R > tuning.MAX_KERNEL_ROWS or not _f32_cpu(x_RD, w_gate_up, w_down) or x_RD.stride(-1) != 1
             or not (w_gate_up.is_contiguous() and w_down.is_contiguous())):
         return None
     I2, D = w_gate_up.shape
@@ -1169,7 +1168,7 @@ class GateLogprobs:
         cannot run (no kernels, other dtypes/devices, more than `MAX_KERNEL_ROWS` rows, a layer without gate)."""
         p = self._ptrs[layer]
         T = h_TD.shape[0]
-        if p is None or _kernels() is None or T > MAX_KERNEL_ROWS or h_TD.dtype is not _F32 \
+        if p is None or _kernels() is None or T > tuning.MAX_KERNEL_ROWS or h_TD.dtype is not _F32 \
                 or h_TD.device.type != "cpu" or h_TD.stride(-1) != 1:
             return None
         gp, npt, E, D = p
@@ -1209,7 +1208,7 @@ def prefetch_step(tables: MarkovTables, layer: int, ids_TK: torch.Tensor, pred: 
     pr, B = _id_rows(pred)
     pt, kt = _id_rows(prev_tok)
     npt, knt = _id_rows(next_prev_tok)
-    if max(K, B, kt, knt) > _MAX_SET or T > MAX_KERNEL_ROWS or (pred is not None and B != len(pred[0])):
+    if max(K, B, kt, knt) > _MAX_SET or T > tuning.MAX_KERNEL_ROWS or (pred is not None and B != len(pred[0])):
         return None
     stats = (ctypes.c_double * 6)()
     f, i, t = tables._f, tables._i, tables._t

@@ -22,6 +22,7 @@ from actors.experts.store import (
 from actors.engine.messages import GenerateRequest
 from actors.experts.checkpoint import load_packed_experts, read_quant_config, write_packed_checkpoint
 from actors.engine.sampling import SamplingParams
+from kernels import tuning
 from kernels.packed_weights import dequantize
 from actors.prefetch.predictors import TRANSITIONS_FILE
 from actors.moe.stats import RoutingStats
@@ -282,7 +283,7 @@ def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, pred
     import actors.experts.store as es
 
     def run(cells):
-        monkeypatch.setattr(es, "SMALL_STEP_CELLS", cells)
+        monkeypatch.setattr(tuning, "SMALL_STEP_CELLS", cells)
         eng = make_engine(qwen_dir, weight_bits=4)
         m = eng.model
         rt = es.build_runtime(model_cfg=m.cfg, model=m, local=eng.expert_runtime.local,
@@ -385,14 +386,13 @@ def test_prefetch_worker_thread_ends_when_the_worker_is_dropped():
 def _sticky_predictions(path: str, deployment: str, request: str | None, path_kind: str, monkeypatch) -> tuple:
     """Decode one sequence; per decode step and MoE layer after the first: (prediction made for the layer, the
     previous step's routing at that layer). Returns (pairs, runtime)."""
-    import actors.experts.store as es
     from kernels import cpu as cpu_kernels
 
     if path_kind == "lists":
         monkeypatch.setattr(cpu_kernels, "_lib", None)
         monkeypatch.setattr(cpu_kernels, "_tried", True)
     elif path_kind == "tensor":
-        monkeypatch.setattr(es, "SMALL_STEP_CELLS", 0)
+        monkeypatch.setattr(tuning, "SMALL_STEP_CELLS", 0)
     eng = make_engine(path, weight_bits=4, expert_cache_capacity=2, prefetch="hybrid", gating=deployment)
     rt = eng.expert_runtime
     routed: dict[int, list[int]] = {}

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels.cpu import MAX_KERNEL_ROWS, cpu_kernels_available, linear
+from kernels.cpu import cpu_kernels_available, linear
+from kernels.tuning import MAX_KERNEL_ROWS
 
 
 def _ref(x, w, b):
