@@ -40,3 +40,11 @@ def ray_session():
                  runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the shared Ray instance (directly or through another fixture) carries the `ray`
+    marker, so `pytest -m "not ray"` is the unit suite with no cluster."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
