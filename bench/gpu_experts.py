@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_common import PEAK_GBPS, timed  # noqa: E402
-from kernels.packed_weights import PackedExperts, PackedWeight, words_per_row  # noqa: E402
+from kernels.packed_format import PackedExperts, PackedWeight, words_per_row  # noqa: E402
 
 def random_packed(e: int, n: int, k: int, bits: int, group: int, device) -> PackedWeight:
     """Random codes with plausible fp16 scales / zeros (the kernel's cost does not depend on the values)."""

@@ -3,7 +3,7 @@
 Shape legend: B = sequences (batch), Hq = query heads (32), H = KV heads (8), D = head_dim (128), T = context
 tokens per sequence, S = block size (16). A Llama/Mixtral-shaped attention layer (GQA 32:8, D = 128).
 
-Measures `kernels.paged_attention.paged_decode_attention_triton` (walks the block table, unpacks the b-bit
+Measures `kernels.paged_attention_triton.paged_decode_attention_triton` (walks the block table, unpacks the b-bit
 codes, dequantizes through the codebook, applies RoPE to keys in registers, online softmax) for one decode
 step of B sequences of T tokens each, at 2, 3 and 4 bits, and reports ms per call, the bytes the call must read
 (packed K and V codes + fp16 value scales + outlier channels of every block of every sequence; q, the output,
@@ -36,7 +36,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.gpu_common import PEAK_GBPS, timed  # noqa: E402
-from kernels.kv_quant import KVPages, fit_kv_profile  # noqa: E402
+from kernels.kv_calibrate import fit_kv_profile  # noqa: E402
+from kernels.kv_pages import KVPages  # noqa: E402
 
 def random_pages(profile, num_blocks: int, block_size: int, device, gen: torch.Generator) -> KVPages:
     """A page pool of `num_blocks` blocks with random codes, scales and outliers in the profile's layout."""
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peak-gbps", type=float, default=None, help="device peak memory bandwidth (GB/s)")
     a = ap.parse_args(argv)
 
-    from kernels.paged_attention import paged_decode_attention_triton, rope_tables
+    from kernels.paged_attention_triton import paged_decode_attention_triton
+    from kernels.rope import rope_tables
 
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")

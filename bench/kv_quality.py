@@ -69,8 +69,9 @@ from actors.kv.profiles import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS
                                 collect_calibration_kv, fit_model_profile, model_effective_bits)
 from actors.kv.quantized import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
-from kernels.kv_quant import dequantize_kv, kivi_dequantize, kivi_quantize, nearest_level, quantize_kv  # noqa: E402
-from kernels.paged_attention import apply_rope, rope_tables  # noqa: E402
+from bench.kivi import kivi_dequantize, kivi_quantize  # noqa: E402
+from kernels.kv_quant import dequantize_kv, nearest_level, quantize_kv  # noqa: E402
+from kernels.rope import apply_rope, rope_tables  # noqa: E402
 
 WINDOW = 1024
 BLOCK = 16

@@ -5,9 +5,9 @@ N = output dim, G = groups along K = ceil(K / group_size), W = int32 words per r
 L = codebook levels = 2**bits.
 
 The packed format (row-aligned little-endian bit stream in int32 words, fp16 group scale/zero, optional fp16
-codebook) and the quantization method are described in `kernels.packed_weights`. Every kernel dequantizes
-a `[BLOCK_N, BLOCK_K]` tile in registers with `_dequant_tile` and never writes the full-precision weight,
-which is the point: a decode step reads ~b/16 of the bf16 bytes.
+codebook) is described in `kernels.packed_format`, the quantization method in `kernels.packed_quantize`.
+Every kernel dequantizes a `[BLOCK_N, BLOCK_K]` tile in registers with `_dequant_tile` and never writes the
+full-precision weight, which is the point: a decode step reads ~b/16 of the bf16 bytes.
 
 Runs on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1` (set it before importing this module).
 No `.item()` / `.tolist()` on the hot path: the grouped GEMM builds its tile map on the device, so it can
@@ -24,15 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.packed_weights import (
-    PackedExperts,
-    PackedWeight,
-    _check_bits,
-    _check_ffn_input,
-    _check_x,
-    expert_offsets_from,
-    words_per_row,
-)
+from kernels.packed_format import PackedExperts, PackedWeight, _check_bits, words_per_row
+from kernels.packed_weights import _check_ffn_input, _check_x, expert_offsets_from
 from kernels.triton_launch import launch_guard
 
 __all__ = ["unpack_codes", "dequantize", "gemv", "grouped_gemm", "packed_expert_ffn"]

@@ -65,7 +65,8 @@ from actors.experts.checkpoint import (
 from kernels import tuning
 from kernels.cpu import PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
 from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
-from kernels.packed_weights import PackedExperts, quantize
+from kernels.packed_format import PackedExperts
+from kernels.packed_quantize import quantize
 from actors.moe.gating import POLICIES, GatingBatch
 from actors.prefetch.predictors import (
     DEFAULT_PREDICTOR,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_quant import KVQuantProfile
+from kernels.kv_profile import KVQuantProfile
 
 FORMAT = "moeray-kv-profile"
 VERSION = 1
@@ -320,7 +320,7 @@ def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]
     Raises:
         ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy of the wrong length.
     """
-    from kernels.kv_quant import fit_kv_profile
+    from kernels.kv_calibrate import fit_kv_profile
 
     if query_energy is not None and len(query_energy) != len(k_layers):
         raise ValueError(f"query_energy has {len(query_energy)} layers; k_layers has {len(k_layers)}")
@@ -343,7 +343,7 @@ def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size
 
     Raises: ValueError if num_tokens < 1.
     """
-    from kernels.kv_quant import effective_bits
+    from kernels.kv_profile import effective_bits
 
     if num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens} must be >= 1")

@@ -61,8 +61,10 @@ import torch.nn.functional as F
 from actors.kv.paged import BlockAllocator, KVCache
 from actors.kv.pool import MixedWidthPagePool, SequencePageTables, choose_page_bytes
 from actors.kv.profiles import AUTO, ModelKVProfile, choose_profile
-from kernels.kv_quant import KVPages, dequantize_keys, dequantize_values, packed_bytes, quantize_kv
-from kernels.paged_attention import apply_rope, rope_tables
+from kernels.kv_pack import packed_bytes
+from kernels.kv_pages import KVPages
+from kernels.kv_quant import dequantize_keys, dequantize_values, quantize_kv
+from kernels.rope import apply_rope, rope_tables
 
 _PAGE_ALIGN = 16  # bytes; keeps every fp16 field of a page 2-byte aligned and rows friendly to vector loads
 
@@ -269,7 +271,7 @@ class QuantizedPagedKVCache(KVCache):
         self._plan = None
         self._committed: tuple[int, int] | None = None  # (outstanding pages, known blocks), see _budget_free_blocks
         if backend == "triton":
-            from kernels.paged_attention import paged_decode_attention_triton as attn
+            from kernels.paged_attention_triton import paged_decode_attention_triton as attn
         else:
             from kernels.paged_attention import paged_decode_attention_ref as attn
         self._decode_attention = attn

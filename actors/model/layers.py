@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import linear, rms_norm  # noqa: F401 - rms_norm is part of this module's API
-from kernels.paged_attention import rope_tables
+from kernels.rope import rope_tables
 
 
 

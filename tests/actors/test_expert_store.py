@@ -319,7 +319,8 @@ def test_one_token_miss_fills_the_cache():
 def test_dequantize_vectorised_matches_the_formula(bits):
     # The per-matrix vectorised unpack (2/4 bits by word shifts, 3 bits by 96-bit runs with two straddling codes)
     # and the broadcast group scale/zero equal (q - z) * s element by element, with a tail group; `out=` too.
-    from kernels.packed_weights import quantize, unpack_codes
+    from kernels.packed_quantize import quantize
+    from kernels.packed_weights import unpack_codes
 
     g = torch.Generator().manual_seed(bits)
     w = torch.randn(2, 5, 100, generator=g)

@@ -18,7 +18,7 @@ from actors.model.attention import AttentionMetadata
 from actors.kv.pool import MixedWidthPagePool, SequencePageTables
 from actors.kv.profiles import ModelKVProfile
 from actors.kv.quantized import QuantizedPagedKVCache
-from kernels.kv_quant import fit_kv_profile
+from kernels.kv_calibrate import fit_kv_profile
 
 S = 16  # block_size
 HQ, H, D = 4, 2, 16

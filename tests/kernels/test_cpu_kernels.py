@@ -181,7 +181,8 @@ def test_pack_fixed_rows_matches_the_torch_construction():
 def test_dequant_packed_is_bit_identical_to_the_reference(bits, codebook, monkeypatch):
     """`kernels.packed_weights.dequantize` on CPU runs the compiled pass; it must equal the PyTorch ops exactly,
     for a stack with a tail group (K = 130) and a matrix whose K is not a multiple of 8."""
-    from kernels.packed_weights import dequantize, quantize
+    from kernels.packed_quantize import quantize
+    from kernels.packed_weights import dequantize
 
     g = torch.Generator().manual_seed(bits * 10 + codebook)
     for shape, gs in (((3, 19, 130), 64), ((37, 75), 32)):
@@ -210,7 +211,8 @@ def test_packed_expert_ffn_matches_dequantize_then_float64(bits, codebook, gs, D
     dequantize-then-float64 matmul: rows of several experts in runs, a -1 row, one token broadcast to K experts,
     tail groups (D = 130, 37) and K % 8 != 0 (37, 19); every bit width and the codebook permutes. Also the worker's
     `PackedFFNArgs.dequantize` (bit-identical) and the fp32 cached-expert kernel `swiglu_f32`."""
-    from kernels.packed_weights import dequantize, quantize_experts
+    from kernels.packed_quantize import quantize_experts
+    from kernels.packed_weights import dequantize
 
     g = torch.Generator().manual_seed(bits * 100 + codebook * 10 + gs + D)
     E = 4
@@ -270,7 +272,7 @@ def test_markov_tables_fall_back_without_kernels(monkeypatch):
 def test_packed_expert_ffn_and_markov_tables_reject_out_of_range_ids():
     """An expert id past the stack is an error (not a read past the weights); the Markov tables ignore ids
     outside [0, E) as they ignore -1 padding."""
-    from kernels.packed_weights import quantize_experts
+    from kernels.packed_quantize import quantize_experts
 
     pk = quantize_experts(torch.randn(2, 8, 32), torch.randn(2, 8, 32), torch.randn(2, 32, 8), bits=4,
                           group_size=32, fuse_gate_up=True)

@@ -11,25 +11,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kernels.kv_quant import (  # noqa: E402
-    KVPages,
-    KVQuantProfile,
-    allocate_channel_bits,
+from bench.kivi import kivi_dequantize, kivi_quantize  # noqa: E402
+from kernels.kv_calibrate import allocate_channel_bits, fit_codebook, fit_kv_profile  # noqa: E402
+from kernels.kv_pack import (  # noqa: E402
     channel_bit_offsets,
-    pack_codes_var,
-    unpack_codes_var,
-    dequantize_kv,
-    effective_bits,
-    fit_codebook,
-    fit_kv_profile,
-    kivi_dequantize,
-    kivi_quantize,
-    nearest_level,
     pack_codes,
+    pack_codes_var,
     packed_bytes,
-    quantize_kv,
     unpack_codes,
+    unpack_codes_var,
 )
+from kernels.kv_pages import KVPages  # noqa: E402
+from kernels.kv_profile import KVQuantProfile, effective_bits  # noqa: E402
+from kernels.kv_quant import dequantize_kv, nearest_level, quantize_kv  # noqa: E402
 
 OUTLIER_CHANNELS = [3, 17, 40]
 

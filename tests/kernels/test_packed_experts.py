@@ -17,7 +17,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels import packed_weights as ref  # noqa: E402
 from kernels import packed_weights_triton as tri  # noqa: E402
-from kernels.packed_weights import PackedExperts, PackedWeight  # noqa: E402
+from kernels.packed_format import PackedExperts, PackedWeight, pack_codes  # noqa: E402
+from kernels.packed_quantize import quantize, quantize_experts  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 RTOL = 1e-4
@@ -61,7 +62,7 @@ def _split(t: int, e: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("k", [1, 10, 11, 31, 32, 100, 129])
 def test_pack_unpack_round_trip(bits, k):
     codes = torch.randint(0, 1 << bits, (3, 5, k), generator=_gen(k))
-    words = ref.pack_codes(codes, bits)
+    words = pack_codes(codes, bits)
     assert words.dtype == torch.int32 and words.shape == (3, 5, (k * bits + 31) // 32)
     assert torch.equal(ref.unpack_codes(words, bits, k).long(), codes)
     assert torch.equal(tri.unpack_codes(words.to(DEV), bits, k).cpu().long(), codes)
@@ -70,7 +71,7 @@ def test_pack_unpack_round_trip(bits, k):
 def test_bit_layout_is_little_endian_stream():
     # 3-bit codes 0..10: code 10 occupies stream bits 30..32, straddling words 0 and 1.
     codes = torch.arange(11) % 8
-    words = ref.pack_codes(codes, 3)
+    words = pack_codes(codes, 3)
     stream = sum(int(c) << (3 * i) for i, c in enumerate(codes))
     w0 = stream & 0xFFFFFFFF
     assert words.tolist() == [w0 - (1 << 32) if w0 >= 1 << 31 else w0, stream >> 32]
@@ -79,19 +80,19 @@ def test_bit_layout_is_little_endian_stream():
 def test_triton_unpack_and_dequantize_match_reference():
     w = torch.randn(3, 37, 100, generator=_gen(0))
     for bits, codebook in [(2, False), (3, True), (4, False)]:
-        pw = ref.quantize(w, bits=bits, group_size=32, codebook=codebook).to(DEV)
+        pw = quantize(w, bits=bits, group_size=32, codebook=codebook).to(DEV)
         assert torch.equal(tri.unpack_codes(pw.codes, bits, 100).cpu(), ref.unpack_codes(pw.codes, bits, 100).cpu())
         assert torch.equal(tri.dequantize(pw).cpu(), ref.dequantize(pw).cpu())
 
 
 def test_validation_errors_name_the_field():
     with pytest.raises(ValueError, match="bits=5"):
-        ref.quantize(torch.randn(4, 32), bits=5)
+        quantize(torch.randn(4, 32), bits=5)
     with pytest.raises(ValueError, match="group_size=48"):
-        ref.quantize(torch.randn(4, 32), group_size=48)
+        quantize(torch.randn(4, 32), group_size=48)
     with pytest.raises(ValueError, match="codes must lie in"):
-        ref.pack_codes(torch.tensor([8]), 3)
-    pw = ref.quantize(torch.randn(4, 100), bits=3, group_size=32)
+        pack_codes(torch.tensor([8]), 3)
+    pw = quantize(torch.randn(4, 100), bits=3, group_size=32)
     with pytest.raises(ValueError, match="scales.shape"):
         PackedWeight(codes=pw.codes, scales=pw.scales[:, :3], zeros=pw.zeros, bits=3, group_size=32, shape=(4, 100))
     with pytest.raises(ValueError, match="codes.dtype"):
@@ -99,7 +100,7 @@ def test_validation_errors_name_the_field():
                      shape=(4, 100))
     with pytest.raises(ValueError, match=r"x.shape\[-1\]=99"):
         ref.gemv(torch.randn(99), pw)
-    stack = ref.quantize(torch.randn(2, 4, 32), bits=2, group_size=32)
+    stack = quantize(torch.randn(2, 4, 32), bits=2, group_size=32)
     with pytest.raises(ValueError, match="cover 5 tokens but x has T=4"):
         ref.grouped_gemm(torch.randn(4, 32), torch.tensor([2, 3]), stack)
     with pytest.raises(ValueError, match=">= 0"):
@@ -114,7 +115,7 @@ def test_validation_errors_name_the_field():
 @pytest.mark.parametrize("codebook", [False, True])
 def test_round_trip_error_decreases_with_bits(codebook):
     w = torch.randn(64, 100, generator=_gen(1)) * 0.02
-    errs = [_rel_mse(ref.quantize(w, bits=b, group_size=32, codebook=codebook), w) for b in (2, 3, 4)]
+    errs = [_rel_mse(quantize(w, bits=b, group_size=32, codebook=codebook), w) for b in (2, 3, 4)]
     assert errs[0] > errs[1] > errs[2]
     assert errs[2] < 0.01  # 4-bit g=32: step ~ range / 15, relative MSE ~ 0.5%
 
@@ -122,41 +123,41 @@ def test_round_trip_error_decreases_with_bits(codebook):
 @pytest.mark.parametrize("bits", [2, 3])
 def test_codebook_beats_uniform_on_gaussian(bits):
     w = torch.randn(128, 256, generator=_gen(2)) * 0.02
-    uniform = _rel_mse(ref.quantize(w, bits=bits, group_size=64), w)
-    book = _rel_mse(ref.quantize(w, bits=bits, group_size=64, codebook=True), w)
+    uniform = _rel_mse(quantize(w, bits=bits, group_size=64), w)
+    book = _rel_mse(quantize(w, bits=bits, group_size=64, codebook=True), w)
     assert book < 0.9 * uniform, (book, uniform)
 
 
 def test_effective_bits_exact():
     # bits=3, g=64, K a multiple of 64: codes 3 + fp16 scale 16/64 + fp16 zero 16/64 = 3.5 bits per weight.
     w = torch.randn(16, 128, generator=_gen(3))
-    assert ref.quantize(w, bits=3, group_size=64).effective_bits() == 3.5
+    assert quantize(w, bits=3, group_size=64).effective_bits() == 3.5
     # + fp16 codebook of 8 levels over 16*128 weights: 8*16 / 2048 = 0.0625.
-    assert ref.quantize(w, bits=3, group_size=64, codebook=True).effective_bits() == 3.5625
+    assert quantize(w, bits=3, group_size=64, codebook=True).effective_bits() == 3.5625
     # K=100, g=32, bits=3: W = ceil(300/32) = 10 words = 320 bits, G = 4 groups * 32 bits = 128 -> 448/100.
-    assert ref.quantize(w[:, :100], bits=3, group_size=32).effective_bits() == pytest.approx(4.48, rel=1e-12)
+    assert quantize(w[:, :100], bits=3, group_size=32).effective_bits() == pytest.approx(4.48, rel=1e-12)
     # bits=4, g=128: 4 + 32/128 = 4.25; bits=2, g=128: 2.25.
-    assert ref.quantize(w, bits=4, group_size=128).effective_bits() == 4.25
-    assert ref.quantize(w, bits=2, group_size=128).effective_bits() == 2.25
-    experts = ref.quantize_experts(torch.randn(2, 64, 128), torch.randn(2, 64, 128), torch.randn(2, 128, 64),
+    assert quantize(w, bits=4, group_size=128).effective_bits() == 4.25
+    assert quantize(w, bits=2, group_size=128).effective_bits() == 2.25
+    experts = quantize_experts(torch.randn(2, 64, 128), torch.randn(2, 64, 128), torch.randn(2, 128, 64),
                                    bits=3, group_size=64)
     assert experts.effective_bits() == 3.5
 
 
 def test_3bit_codes_cost_three_eighths_byte_per_weight():
     n, k = 64, 1024
-    pw = ref.quantize(torch.randn(n, k, generator=_gen(4)), bits=3, group_size=128)
+    pw = quantize(torch.randn(n, k, generator=_gen(4)), bits=3, group_size=128)
     assert pw.codes.numel() * pw.codes.element_size() == n * k * 3 // 8
     # A tail that does not fill a word costs < 32 bits per row, never a whole extra code slot per word.
-    pw = ref.quantize(torch.randn(n, 100, generator=_gen(4)), bits=3, group_size=32)
+    pw = quantize(torch.randn(n, 100, generator=_gen(4)), bits=3, group_size=32)
     assert pw.codes.numel() * 4 == n * 40  # ceil(300 / 32) = 10 words = 40 bytes for 37.5 bytes of codes
 
 
 def test_save_load_round_trip(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     w = torch.randn(37, 100, generator=_gen(5))
-    pw = ref.quantize(w, bits=3, group_size=32, codebook=True)
-    experts = ref.quantize_experts(torch.randn(2, 8, 40), torch.randn(2, 8, 40), torch.randn(2, 40, 8),
+    pw = quantize(w, bits=3, group_size=32, codebook=True)
+    experts = quantize_experts(torch.randn(2, 8, 40), torch.randn(2, 8, 40), torch.randn(2, 40, 8),
                                    bits=2, group_size=32, fuse_gate_up=True)
     path = tmp_path / "packed.safetensors"
     safetensors.save_file({**pw.to_tensors("layers.0.w"), **experts.to_tensors("layers.0.experts")}, str(path))
@@ -177,7 +178,7 @@ def test_save_load_round_trip(tmp_path):
 @pytest.mark.parametrize("bits,codebook", [(2, False), (3, False), (3, True), (4, True)])
 @pytest.mark.parametrize("n,k,group", [(37, 100, 32), (5, 129, 64), (64, 256, 128)])
 def test_gemv_matches_dense(bits, codebook, n, k, group):
-    pw = ref.quantize(torch.randn(n, k, generator=_gen(n + k)), bits=bits, group_size=group,
+    pw = quantize(torch.randn(n, k, generator=_gen(n + k)), bits=bits, group_size=group,
                       codebook=codebook).to(DEV)
     x = torch.randn(k, generator=_gen(7)).to(DEV)
     want = x @ ref.dequantize(pw).T
@@ -197,7 +198,7 @@ def _dense_grouped(x, offsets, pw):
 @pytest.mark.parametrize("e", [1, 5])
 def test_grouped_gemm_matches_dense(t, e):
     n, k = 37, 100
-    pw = ref.quantize(torch.randn(e, n, k, generator=_gen(e)), bits=3, group_size=32,
+    pw = quantize(torch.randn(e, n, k, generator=_gen(e)), bits=3, group_size=32,
                       codebook=t % 2 == 1).to(DEV)
     x = torch.randn(t, k, generator=_gen(t)).to(DEV)
     counts = _split(t, e, seed=t + e)
@@ -210,7 +211,7 @@ def test_grouped_gemm_matches_dense(t, e):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_grouped_gemm_other_bits_and_empty_experts(bits):
-    pw = ref.quantize(torch.randn(4, 19, 40, generator=_gen(bits)), bits=bits, group_size=32).to(DEV)
+    pw = quantize(torch.randn(4, 19, 40, generator=_gen(bits)), bits=bits, group_size=32).to(DEV)
     x = torch.randn(33, 40, generator=_gen(8)).to(DEV)
     counts = torch.tensor([0, 33, 0, 0])  # every token on one expert, the rest idle
     want = _dense_grouped(x, [0, 0, 33, 33, 33], pw)
@@ -219,7 +220,7 @@ def test_grouped_gemm_other_bits_and_empty_experts(bits):
 
 
 def test_triton_grouped_gemm_fp16():
-    pw = ref.quantize(torch.randn(2, 37, 64, generator=_gen(9)), bits=4, group_size=32).to(DEV)
+    pw = quantize(torch.randn(2, 37, 64, generator=_gen(9)), bits=4, group_size=32).to(DEV)
     x = torch.randn(20, 64, generator=_gen(10)).half().to(DEV)
     counts = torch.tensor([7, 13]).to(DEV)
     got = tri.grouped_gemm(x, counts, pw)
@@ -237,7 +238,7 @@ def test_packed_expert_ffn_matches_dense(fuse, t):
     g = _gen(11)
     gate, up = torch.randn(e, i, d, generator=g), torch.randn(e, i, d, generator=g)
     down = torch.randn(e, d, i, generator=g)
-    experts = ref.quantize_experts(gate, up, down, bits=4, group_size=32, codebook=fuse, fuse_gate_up=fuse).to(DEV)
+    experts = quantize_experts(gate, up, down, bits=4, group_size=32, codebook=fuse, fuse_gate_up=fuse).to(DEV)
     x = torch.randn(t, d, generator=_gen(t)).to(DEV)
     counts = _split(t, e, seed=t)
     offsets = F.pad(torch.cumsum(counts, 0), (1, 0)).tolist()

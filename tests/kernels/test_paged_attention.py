@@ -13,13 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.bench_runner import run_bench_result  # noqa: E402
-from kernels.kv_quant import KVPages, dequantize_kv, fit_kv_profile, quantize_kv  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
-    apply_rope,
-    paged_decode_attention_ref,
-    paged_decode_attention_triton,
-    rope_tables,
-)
+from kernels.kv_calibrate import fit_kv_profile  # noqa: E402
+from kernels.kv_pages import KVPages  # noqa: E402
+from kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
+from kernels.paged_attention import paged_decode_attention_ref  # noqa: E402
+from kernels.paged_attention_triton import paged_decode_attention_triton  # noqa: E402
+from kernels.rope import apply_rope, rope_tables  # noqa: E402
 
 
 def _case(*, ctx_lens, sink_lens=None, tail_lens=None, hq=4, h=2, d=32, block_size=4, bits=4, n_outlier=2,

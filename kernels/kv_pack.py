@@ -1,0 +1,151 @@
+"""Bit packing of KV-cache codes: fixed-width rows (`pack_codes`) and per-channel-width rows (`pack_codes_var`).
+
+Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {2, 3, 4}:
+  A row of D codes is one little-endian bitstream of D * b bits stored in D * b / 8 bytes. Code i occupies
+  stream bits [i*b, i*b + b), least-significant bit first; byte j holds stream bits [8j, 8j + 8).
+  b=4: code 2j in the low nibble of byte j, code 2j+1 in the high nibble.
+  b=2: byte j holds codes 4j..4j+3 at bit offsets 0, 2, 4, 6.
+  b=3: every 8 codes fill exactly 3 bytes; codes 2 and 5 of each group of 8 straddle a byte boundary
+       (code 2 = bits 6-7 of byte 0 + bit 0 of byte 1). A 3-bit code costs exactly 3/8 byte.
+  Requires D * b % 8 == 0 (D % 8 == 0 for 3 bits).
+
+Per-channel widths (`pack_codes_var` / `unpack_codes_var`): channel d of head h has its own width b[h, d] in
+[1, 8], every head's widths summing to the same B. The codes of a (token, head) row are one bitstream with
+the same rule, channel d at bit offset sum(b[h, :d]) (`channel_bit_offsets`), zero-padded to
+Pk = ceil(B / 8) bytes.
+
+Shape legend: N = tokens, H = KV heads, D = head_dim (codes per row), P = packed bytes per row
+(D * bits / 8), Pk = packed bytes of a per-channel-width row.
+"""
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4)
+
+
+def _check_bits(bits: int, name: str = "bits") -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{name}={bits} is not supported; choose one of {SUPPORTED_BITS}")
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one packed row of `head_dim` codes at `bits` bits each (P in the legend).
+
+    Raises:
+        ValueError: bits not in {2, 3, 4}, or head_dim * bits not a multiple of 8.
+    """
+    _check_bits(bits)
+    if head_dim <= 0 or (head_dim * bits) % 8:
+        raise ValueError(f"head_dim={head_dim} * bits={bits} must be a positive multiple of 8 to pack densely")
+    return head_dim * bits // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack codes densely along the last dim (layout in the module docstring).
+
+    Args:
+        codes: [..., D] integer tensor with values in [0, 2**bits).
+        bits: 2, 3 or 4 bits per code.
+    Returns:
+        [..., D * bits / 8] uint8.
+    Raises:
+        ValueError: unsupported bits, or D * bits not a multiple of 8.
+    """
+    d = codes.shape[-1]
+    p = packed_bytes(d, bits)
+    c = codes.to(torch.int32)
+    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
+    stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], p, 8)  # [..., P, 8] bits
+    weights = torch.arange(8, device=codes.device, dtype=torch.int32)
+    return (stream << weights).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    """Inverse of `pack_codes`.
+
+    Args:
+        packed: [..., P] uint8 with P = head_dim * bits / 8.
+        bits: 2, 3 or 4.
+        head_dim: D, the number of codes per row.
+    Returns:
+        [..., D] int64 codes in [0, 2**bits).
+    Raises:
+        ValueError: unsupported bits, or packed.shape[-1] != head_dim * bits / 8.
+    """
+    p = packed_bytes(head_dim, bits)
+    if packed.shape[-1] != p:
+        raise ValueError(f"packed.shape[-1]={packed.shape[-1]} != head_dim*bits/8={p}")
+    weights = torch.arange(8, device=packed.device, dtype=torch.int32)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> weights) & 1).reshape(*packed.shape[:-1], head_dim, bits)
+    shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
+    return (stream << shifts).sum(-1).to(torch.int64)
+
+
+MAX_CHANNEL_BITS = 8
+
+
+def _check_widths(widths_HD: torch.Tensor) -> tuple[int, int]:
+    """(bits per head row, packed bytes Pk) of per-channel widths [H, D]; ValueError naming the limit."""
+    if widths_HD.dim() != 2:
+        raise ValueError(f"k_bits.shape={tuple(widths_HD.shape)} must be [H, D]")
+    w = widths_HD.to(torch.int64)
+    if w.numel() == 0 or int(w.min()) < 1 or int(w.max()) > MAX_CHANNEL_BITS:
+        raise ValueError(f"k_bits values must lie in [1, {MAX_CHANNEL_BITS}]")
+    sums = w.sum(dim=1)
+    if bool((sums != sums[0]).any()):
+        raise ValueError(f"k_bits rows must sum to the same bits per head; got {sums.tolist()}")
+    total = int(sums[0])
+    return total, -(-total // 8)
+
+
+def _bit_mask(widths_HD: torch.Tensor) -> torch.Tensor:
+    """[H, D, 8] bool: bit j of channel d's code is stored (j < width)."""
+    j = torch.arange(MAX_CHANNEL_BITS, device=widths_HD.device)
+    return j[None, None, :] < widths_HD.to(torch.int64)[..., None]
+
+
+def pack_codes_var(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Pack codes of per-channel widths: each (token, head) row is one little-endian bitstream, channel d at bit
+    offset sum(widths[h, :d]), LSB first, zero-padded to whole bytes (same stream rule as `pack_codes`).
+
+    Args:
+        codes: [N, H, D] integer codes, 0 <= codes[..., h, d] < 2**widths[h, d].
+        widths: [H, D] integer widths in [1, 8], every row with the same sum B.
+    Returns:
+        [N, H, ceil(B / 8)] uint8.
+    Raises:
+        ValueError: widths out of range or rows with different sums, or codes not [N, H, D].
+    """
+    total, pk = _check_widths(widths)
+    n, h, d = codes.shape
+    if widths.shape != (h, d):
+        raise ValueError(f"codes.shape={tuple(codes.shape)} does not match widths.shape={tuple(widths.shape)}")
+    shifts = torch.arange(MAX_CHANNEL_BITS, device=codes.device, dtype=torch.int32)
+    bits = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [N, H, D, 8]
+    stream = bits[:, _bit_mask(widths)].reshape(n, h, total)
+    stream = torch.nn.functional.pad(stream, (0, pk * 8 - total)).reshape(n, h, pk, 8)
+    return (stream << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes_var(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_codes_var`: [N, H, Pk] uint8 -> [N, H, D] int64 codes.
+
+    Raises: ValueError for bad widths or packed.shape[-1] != ceil(B / 8).
+    """
+    total, pk = _check_widths(widths)
+    n, h = packed.shape[:2]
+    if packed.dim() != 3 or packed.shape[2] != pk or widths.shape[0] != h:
+        raise ValueError(f"packed.shape={tuple(packed.shape)} must be [N, H={widths.shape[0]}, Pk={pk}]")
+    shifts = torch.arange(MAX_CHANNEL_BITS, device=packed.device, dtype=torch.int32)
+    stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(n, h, pk * 8)[..., :total]
+    mask = _bit_mask(widths)
+    bits = torch.zeros(n, *mask.shape, dtype=torch.int32, device=packed.device)
+    bits[:, mask] = stream.reshape(n, -1)
+    return (bits << shifts).sum(-1).to(torch.int64)
+
+
+def channel_bit_offsets(widths: torch.Tensor) -> torch.Tensor:
+    """[H, D] int32 bit offset of each channel's code within its head row (exclusive prefix sum of widths)."""
+    w = widths.to(torch.int32)
+    return (torch.cumsum(w, dim=1) - w).to(torch.int32)
