@@ -79,7 +79,7 @@ class QuantizedKVSizes:
     @staticmethod
     def pool_page_bytes(profiles: Iterable[ModelKVProfile], block_size: int, *,
                         mean_live_tokens: float = 400.0) -> int:
-        """Bytes of one pool page over all layers for these profiles (kv_pool.choose_page_bytes per layer).
+        """Bytes of one pool page over all layers for these profiles (actors.kv.pool.choose_page_bytes per layer).
 
         The per-layer page lies in [largest token, S largest tokens] (so a page never costs more than one
         logical block at the widest width) and minimises page slack plus half a page of tokens per sequence
