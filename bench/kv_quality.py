@@ -64,9 +64,11 @@ from actors.model.attention import AttentionMetadata  # noqa: E402
 from actors.model.config import ModelConfig  # noqa: E402
 from actors.moe.dispatch import ExpertPlacement  # noqa: E402
 from actors.engine.engine import EngineConfig, RankEngine  # noqa: E402
-from actors.kv.paged import BlockAllocator, KVCache  # noqa: E402
-from actors.kv.profiles import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS, ModelKVProfile,  # noqa: E402
-                                collect_calibration_kv, fit_model_profile, model_effective_bits)
+from actors.kv.allocator import BlockAllocator  # noqa: E402
+from actors.kv.calibration import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS,  # noqa: E402
+                                   collect_calibration_kv, fit_model_profile, model_effective_bits)
+from actors.kv.interface import KVCache  # noqa: E402
+from actors.kv.profiles import ModelKVProfile  # noqa: E402
 from actors.kv.quantized import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
 from bench.kivi import kivi_dequantize, kivi_quantize  # noqa: E402

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 def recipe_options(a, head_dim: int) -> dict:
     """`fit_model_profile` options: the shipped recipe for `a.bits` (`RECOMMENDED_FIT_OPTIONS`, its per-channel
     key row budget, where it has one, scaled from 64 channels to `head_dim`), overridden by the flags given."""
-    from actors.kv.profiles import RECOMMENDED_FIT_OPTIONS
+    from actors.kv.calibration import RECOMMENDED_FIT_OPTIONS
 
     opts = dict(RECOMMENDED_FIT_OPTIONS[a.bits])
     if opts.get("k_channel_bits") is not None:
@@ -71,8 +71,8 @@ def cmd_calibrate(a) -> int:
     from actors.model.config import ModelConfig
     from actors.moe.dispatch import ExpertPlacement
     from actors.engine.engine import EngineConfig, RankEngine
-    from actors.kv.profiles import (collect_calibration_kv, fit_model_profile, model_effective_bits,
-                                    profile_filename, save_profile)
+    from actors.kv.calibration import collect_calibration_kv, fit_model_profile, model_effective_bits
+    from actors.kv.profiles import profile_filename, save_profile
 
     if a.tokens < 1 or a.window < 1:
         print(f"moeray: error: --tokens={a.tokens} and --window={a.window} must be >= 1", file=sys.stderr)

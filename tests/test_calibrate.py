@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from actors.kv.profiles import (CODE_CHAR_THRESHOLD, RECOMMENDED_FIT_OPTIONS, choose_profile, code_fraction,
-                                load_profile, load_profiles, model_effective_bits)
+from actors.kv.calibration import RECOMMENDED_FIT_OPTIONS, model_effective_bits
+from actors.kv.profile_choice import CODE_CHAR_THRESHOLD, choose_profile, code_fraction
+from actors.kv.profiles import load_profile, load_profiles
 from moeray.cli import main
 
 PROSE = "Full fathom five thy father lies; of his bones are coral made. " * 8

@@ -182,7 +182,7 @@ class RankEngine:
         """The KV cache behind `actors.kv.paged.KVCache` (full precision unless kv_bits is set)."""
         cfg, mc, dtype = self.cfg, self.model_cfg, self.cfg.torch_dtype
         if cfg.kv_bits is not None:
-            from actors.kv.quantized import build_engine_kv_cache
+            from actors.kv.builder import build_engine_kv_cache
 
             return build_engine_kv_cache(cfg, mc)
         per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from actors.engine.detokenizer import IncrementalDetokenizer
-from actors.kv.paged import BlockAllocator
+from actors.kv.allocator import BlockAllocator
 from actors.engine.sampling import SamplingParams
 
 

@@ -1,1 +1,1 @@
-"""The paged KV cache: block allocator, full-precision and quantized caches, page pool, profiles."""
+"""The paged KV cache: block allocator, the KVCache seam, full-precision and quantized caches, page pool, profiles."""

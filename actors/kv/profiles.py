@@ -1,69 +1,33 @@
-"""KV quantization profiles of a whole model: save, load, resolve by name, and the `auto` rule.
+"""KV quantization profiles of a whole model: the data (`ModelKVProfile`), its files, and name resolution.
 
 A model profile is one `kernels.kv_quant.KVQuantProfile` per layer (KVQuant, arXiv 2401.18079: per-channel
 pre-RoPE key scales and non-uniform codebooks calibrated offline), calibrated on one text domain
-(`moeray calibrate`). On disk it is two files side by side:
+(`moeray calibrate`, actors/kv/calibration.py). Invariants (checked in `ModelKVProfile.__post_init__`): every
+layer has the same bits, (H, D), outlier counts and key row bytes, so one profile has one page layout.
+On disk it is two files side by side:
   <stem>.safetensors   tensors `layers.<l>.<field>` (fields of KVQuantProfile.to_tensors)
   <stem>.json          metadata: format, version, domain, bits, shapes, outlier counts, calibration data
 A model ships its profiles in `<model>/kv_profiles/<domain>-<bits>bit.{safetensors,json}`.
 
 Name resolution (`load_profiles`): `kv_profile` may be a profile name ("prose", "code", "auto"), the path
 of a `.safetensors` profile, or a directory of profiles; names resolve in `<model>/kv_profiles/`.
-
-The `auto` rule (`choose_profile`): a prompt is code when at least `CODE_CHAR_THRESHOLD` of its characters
-are code punctuation (`CODE_CHARS`) or indentation spaces (runs of >= 2 spaces after a newline). Costs one
-pass over the prompt text; on the held-out slices it separates the domains by a wide margin (prose ~1.4%,
-Python ~23%; of 300-character chunks, ~1% of prose and ~98% of code score >= 0.06).
+`load_served_profiles` adds the profiles of extra widths as "<name>-<b>bit". Which loaded profile a request
+gets (a name, or the `auto` rule) is actors/kv/profile_choice.py.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass, field
 
 import torch
 
+from actors.kv.profile_choice import AUTO
 from kernels.kv_profile import KVQuantProfile
 
 FORMAT = "moeray-kv-profile"
 VERSION = 1
-AUTO = "auto"
-# Apostrophes, hyphens and colons are left out: verse and prose use them often.
-CODE_CHARS = frozenset("{}[]()<>=;_#*/\\|&^%$@`~+\"")
-CODE_CHAR_THRESHOLD = 0.06
-_INDENT = re.compile(r"\n( {2,}|\t+)")
-
-# Key bits per head row of the 2-bit recipe (per-channel key widths, `kernels.kv_quant` module docstring):
-# 152 bits = 19 bytes for D = 64, i.e. 2.375 bits per key element on average, the bytes the old recipe spent
-# on 2-bit codes plus one fp16 outlier channel (18) plus one. Each channel gets 2-8 bits by query-energy-weighted
-# key error; with query energies from calibration (bench/kv_quality.py and `moeray calibrate` collect them).
-K_CHANNEL_BITS_2 = 152
-# The 4-bit recipe uses the same per-channel widths at 4 bits per key element on average (256 bits = 32 bytes
-# per head row for D = 64, the bytes of plain 4-bit codes): on the stage-4 tiny-moe checkpoint it raised
-# teacher-forced top-1 agreement with full-precision KV from 0.957 to 0.971 (mean of 4 held-out prose slices of
-# 512 tokens) where the single-width k-means recipe missed the 97% target (BENCHMARKS.md, KV section).
-K_CHANNEL_BITS_4 = 256
-# The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
-# bench/kv_quality.py reports as `ours<b>`): `kernels.kv_quant.fit_kv_profile` options. Chosen on tiny-moe's
-# held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
-# measurable and cost 0.125 bits/element per channel and head, so there are none; at 2 bits the keys carry
-# most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), so keys
-# get per-channel widths (2-8 bits on a uniform grid over each channel's min/max range, allocated by
-# query-energy-weighted error, 152 bits per head row) instead of one fp16 outlier channel, and values a
-# k-means codebook (measured best of the codebook / range combinations, 24 windows per domain).
-RECOMMENDED_FIT_OPTIONS = {
-    2: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
-            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_2),
-    3: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
-    4: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
-            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_4),
-}
-# Full-precision sink tokens the recipe was measured with. A sink shifts the 16-token blocks by one, so at a
-# block-multiple length 15 tail tokens stay unsealed in fp16 (0.2 bits/element at 1024 tokens) while quality
-# does not measurably change on tiny-moe.
-RECOMMENDED_SINK_TOKENS = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,145 +176,6 @@ def load_profiles(model_dir: str, bits: int, kv_profile: str | None = None,
     if len(layouts) > 1:
         raise ValueError(f"profiles in {folder!r} disagree on (bits, H, D, Ok, Ov): {sorted(layouts)}")
     return found, default
-
-
-def code_fraction(text: str) -> float:
-    """Fraction of `text`'s characters that look like code: CODE_CHARS plus indentation after newlines."""
-    if not text:
-        return 0.0
-    n = sum(1 for c in text if c in CODE_CHARS)
-    n += sum(len(m.group(1)) for m in _INDENT.finditer(text))
-    return n / len(text)
-
-
-def choose_profile(requested: str | None, available: list[str], default: str, text: str | None = None) -> str:
-    """The profile a sequence uses.
-
-    Args:
-        requested: the request's profile name, "auto", or None (use `default`).
-        available: names of loaded profiles.
-        default: the engine's default name or "auto".
-        text: the prompt text, needed only for "auto" (None counts as prose).
-    Returns:
-        A name from `available`. `auto` picks "code" when code_fraction(text) >= CODE_CHAR_THRESHOLD and
-        a "code" profile exists, else "prose" if it exists, else the first available name.
-    Raises:
-        ValueError: the requested name is not available.
-    """
-    name = requested or default
-    if name != AUTO:
-        if name not in available:
-            raise ValueError(f"kv_profile={name!r} is not loaded; available: {sorted(available)} or 'auto'")
-        return name
-    if text is not None and "code" in available and code_fraction(text) >= CODE_CHAR_THRESHOLD:
-        return "code"
-    if "prose" in available:
-        return "prose"
-    return sorted(available)[0]
-
-
-# --- calibration ----------------------------------------------------------------------------------------
-
-
-def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, progress=None,
-                           with_query_energy: bool = False):
-    """Run the model on `token_ids` in non-overlapping windows and collect every layer's pre-RoPE K and V.
-
-    Args:
-        engine: an `actors.engine.engine.RankEngine` (world size 1) holding the model; its cache is used for
-            attention (full precision is what calibration should see).
-        token_ids: the calibration text, tokenized.
-        window: tokens per forward (<= the engine's max_model_len).
-        progress: optional callable `(tokens_done)` called after each window (e.g. a tqdm update).
-        with_query_energy: also return, per layer, the query energy of each key channel ([H, D] fp32):
-            the mean over tokens of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's query heads,
-            from the post-RoPE queries (the pair sum is rotation-invariant). It weights key errors in
-            `kernels.kv_quant.fit_kv_profile(query_energy=...)`.
-    Returns:
-        (k, v) or, with_query_energy, (k, v, q_energy): per layer, k / v [N, H, D] fp32 tensors on CPU,
-        N = len(token_ids); q_energy [H, D] fp32.
-    Raises:
-        ValueError: empty token_ids or window < 1.
-    """
-    if not token_ids or window < 1:
-        raise ValueError(f"need token_ids (got {len(token_ids)}) and window={window} >= 1")
-    num_layers = engine.model_cfg.num_layers
-    ks: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-    vs: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-    qe: list[torch.Tensor | None] = [None] * num_layers
-    cache = engine.cache
-    orig_attend = cache.attend
-
-    def recording_attend(layer, q, k, v, positions, meta, rotary, scale):
-        ks[layer].append(k.detach().float().cpu())
-        vs[layer].append(v.detach().float().cpu())
-        if with_query_energy:
-            h, d = k.shape[1], k.shape[2]
-            e = q.detach().float().cpu().reshape(q.shape[0], h, -1, d).pow(2).sum(dim=(0, 2))  # [H, D]
-            pair = (e[:, : d // 2] + e[:, d // 2:]) * 0.5
-            e = torch.cat([pair, pair], dim=1)
-            qe[layer] = e if qe[layer] is None else qe[layer] + e
-        return orig_attend(layer, q, k, v, positions, meta, rotary, scale)
-
-    cache.attend = recording_attend  # instance attribute shadows the method only during calibration
-    try:
-        for start in range(0, len(token_ids), window):
-            chunk = token_ids[start:start + window]
-            engine.prompt_logits(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    finally:
-        del cache.attend
-    k_out, v_out = [torch.cat(x) for x in ks], [torch.cat(x) for x in vs]
-    if with_query_energy:
-        return k_out, v_out, [e / len(token_ids) for e in qe]
-    return k_out, v_out
-
-
-def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], *, name: str, bits: int,
-                      meta: dict | None = None, query_energy: list[torch.Tensor] | None = None,
-                      **fit_kw) -> ModelKVProfile:
-    """Fit one KVQuantProfile per layer (`kernels.kv_quant.fit_kv_profile`, keyword options in `fit_kw`).
-
-    Args:
-        k_layers, v_layers: per layer [N, H, D] pre-RoPE keys and values (from collect_calibration_kv).
-        name: profile name (domain). bits: 2, 3 or 4. meta: extra JSON metadata.
-        query_energy: optional per-layer [H, D] key-channel weights (collect_calibration_kv with
-            with_query_energy=True), used by per-channel key widths (`k_channel_bits`).
-    Raises:
-        ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy of the wrong length.
-    """
-    from kernels.kv_calibrate import fit_kv_profile
-
-    if query_energy is not None and len(query_energy) != len(k_layers):
-        raise ValueError(f"query_energy has {len(query_energy)} layers; k_layers has {len(k_layers)}")
-    qe = query_energy if query_energy is not None else [None] * len(k_layers)
-    layers = [fit_kv_profile(k, v, bits=bits, query_energy=e, **fit_kw) for k, v, e in zip(k_layers, v_layers, qe)]
-    opts = dict(fit_kw)
-    if fit_kw.get("k_channel_bits") is not None:
-        opts["query_energy"] = query_energy is not None
-    return ModelKVProfile(name=name, bits=bits, layers=layers, meta={**(meta or {}), "fit_options": opts})
-
-
-def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size: int = 16,
-                         sink_tokens: int = 1, full_precision_bytes: int = 2) -> float:
-    """Effective bits per K/V element of one sequence of `num_tokens` tokens in the quantized paged cache.
-
-    Counts, per layer: sealed tokens at quantized size (codes, V scales, outlier values), the sink and the
-    unsealed tail at `full_precision_bytes` bytes per element, and the profile's tensors amortised over this
-    one sequence (a pessimistic bound: they are shared by every sequence). Layers hold equal element counts,
-    so the model figure is the mean over layers (`kernels.kv_quant.effective_bits`).
-
-    Raises: ValueError if num_tokens < 1.
-    """
-    from kernels.kv_profile import effective_bits
-
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens={num_tokens} must be >= 1")
-    sealed = max(0, num_tokens - sink_tokens) // block_size * block_size
-    bits = [effective_bits(p, num_tokens=sealed, num_full_precision_tokens=num_tokens - sealed,
-                           full_precision_bytes=full_precision_bytes) for p in profile.layers]
-    return sum(bits) / len(bits)
 
 
 def load_served_profiles(model_dir: str, bits: int, kv_profile: str | None = None, extra_bits=(),

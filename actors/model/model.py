@@ -19,7 +19,7 @@ from actors.model.attention import AttentionMetadata
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import Dispatcher
 from actors.moe.experts import LocalExperts
-from actors.kv.paged import KVCache
+from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.cpu import linear
 from kernels.gating import topk_softmax_ref

@@ -8,7 +8,7 @@ import pytest
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
-from actors.kv.profiles import AUTO
+from actors.kv.profile_choice import AUTO
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL

@@ -11,8 +11,8 @@ import torch
 from actors.model.attention import AttentionMetadata
 from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
-from actors.kv.profiles import (collect_calibration_kv, fit_model_profile, load_profiles, profile_filename,
-                                save_profile)
+from actors.kv.calibration import collect_calibration_kv, fit_model_profile
+from actors.kv.profiles import load_profiles, profile_filename, save_profile
 from actors.kv.quantized import QuantizedPagedKVCache
 from actors.engine.messages import GenerateRequest
 from cluster.config import DEFAULT_MODEL
@@ -178,7 +178,7 @@ def test_per_channel_key_widths_prefill_decode_and_triton(tiny_quant_model, tmp_
     """2-bit profiles with per-channel key widths (the 2-bit recipe's format: key rows of Pk != P bytes, no
     outlier array) page through the mixed-width arena, two key-row sizes side by side: prefill equals
     decode, the Triton backend equals the torch one, and a batch mixing both profiles decodes."""
-    from actors.kv.profiles import RECOMMENDED_FIT_OPTIONS
+    from actors.kv.calibration import RECOMMENDED_FIT_OPTIONS
 
     eng0 = _engine(tiny_quant_model, max_model_len=128)
     ids_cal = torch.randint(1, eng0.model_cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(8)).tolist()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from actors.model.attention import AttentionMetadata
-from actors.kv.pool import MixedWidthPagePool, SequencePageTables
+from actors.kv.page_tables import SequencePageTables
+from actors.kv.pool import MixedWidthPagePool
 from actors.kv.profiles import ModelKVProfile
 from actors.kv.quantized import QuantizedPagedKVCache
 from kernels.kv_calibrate import fit_kv_profile

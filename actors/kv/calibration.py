@@ -1,0 +1,144 @@
+"""How KV quantization profiles are made: the shipped recipe, K/V collection from the model, per-layer fitting.
+
+`moeray calibrate` (moeray/cli_calibrate.py) runs `collect_calibration_kv` on a text domain, fits one
+`KVQuantProfile` per layer with `fit_model_profile` (the recipe `RECOMMENDED_FIT_OPTIONS` for the width,
+unless flags override it) and writes the result with `actors.kv.profiles.save_profile`.
+`model_effective_bits` is the storage cost of one sequence under a profile (sealed tokens quantized, sink and
+tail in full precision), the figure the calibration report prints.
+"""
+from __future__ import annotations
+
+import torch
+
+from actors.kv.profiles import ModelKVProfile
+
+# Key bits per head row of the 2-bit recipe (per-channel key widths, `kernels.kv_quant` module docstring):
+# 152 bits = 19 bytes for D = 64, i.e. 2.375 bits per key element on average, the bytes the old recipe spent
+# on 2-bit codes plus one fp16 outlier channel (18) plus one. Each channel gets 2-8 bits by query-energy-weighted
+# key error; with query energies from calibration (bench/kv_quality.py and `moeray calibrate` collect them).
+K_CHANNEL_BITS_2 = 152
+# The 4-bit recipe uses the same per-channel widths at 4 bits per key element on average (256 bits = 32 bytes
+# per head row for D = 64, the bytes of plain 4-bit codes): on the stage-4 tiny-moe checkpoint it raised
+# teacher-forced top-1 agreement with full-precision KV from 0.957 to 0.971 (mean of 4 held-out prose slices of
+# 512 tokens) where the single-width k-means recipe missed the 97% target (BENCHMARKS.md, KV section).
+K_CHANNEL_BITS_4 = 256
+# The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
+# bench/kv_quality.py reports as `ours<b>`): `kernels.kv_quant.fit_kv_profile` options. Chosen on tiny-moe's
+# held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
+# measurable and cost 0.125 bits/element per channel and head, so there are none; at 2 bits the keys carry
+# most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), so keys
+# get per-channel widths (2-8 bits on a uniform grid over each channel's min/max range, allocated by
+# query-energy-weighted error, 152 bits per head row) instead of one fp16 outlier channel, and values a
+# k-means codebook (measured best of the codebook / range combinations, 24 windows per domain).
+RECOMMENDED_FIT_OPTIONS = {
+    2: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
+            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_2),
+    3: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
+    4: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
+            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_4),
+}
+# Full-precision sink tokens the recipe was measured with. A sink shifts the 16-token blocks by one, so at a
+# block-multiple length 15 tail tokens stay unsealed in fp16 (0.2 bits/element at 1024 tokens) while quality
+# does not measurably change on tiny-moe.
+RECOMMENDED_SINK_TOKENS = 0
+
+
+def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, progress=None,
+                           with_query_energy: bool = False):
+    """Run the model on `token_ids` in non-overlapping windows and collect every layer's pre-RoPE K and V.
+
+    Args:
+        engine: an `actors.engine.engine.RankEngine` (world size 1) holding the model; its cache is used for
+            attention (full precision is what calibration should see).
+        token_ids: the calibration text, tokenized.
+        window: tokens per forward (<= the engine's max_model_len).
+        progress: optional callable `(tokens_done)` called after each window (e.g. a tqdm update).
+        with_query_energy: also return, per layer, the query energy of each key channel ([H, D] fp32):
+            the mean over tokens of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's query heads,
+            from the post-RoPE queries (the pair sum is rotation-invariant). It weights key errors in
+            `kernels.kv_quant.fit_kv_profile(query_energy=...)`.
+    Returns:
+        (k, v) or, with_query_energy, (k, v, q_energy): per layer, k / v [N, H, D] fp32 tensors on CPU,
+        N = len(token_ids); q_energy [H, D] fp32.
+    Raises:
+        ValueError: empty token_ids or window < 1.
+    """
+    if not token_ids or window < 1:
+        raise ValueError(f"need token_ids (got {len(token_ids)}) and window={window} >= 1")
+    num_layers = engine.model_cfg.num_layers
+    ks: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+    vs: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+    qe: list[torch.Tensor | None] = [None] * num_layers
+    cache = engine.cache
+    orig_attend = cache.attend
+
+    def recording_attend(layer, q, k, v, positions, meta, rotary, scale):
+        ks[layer].append(k.detach().float().cpu())
+        vs[layer].append(v.detach().float().cpu())
+        if with_query_energy:
+            h, d = k.shape[1], k.shape[2]
+            e = q.detach().float().cpu().reshape(q.shape[0], h, -1, d).pow(2).sum(dim=(0, 2))  # [H, D]
+            pair = (e[:, : d // 2] + e[:, d // 2:]) * 0.5
+            e = torch.cat([pair, pair], dim=1)
+            qe[layer] = e if qe[layer] is None else qe[layer] + e
+        return orig_attend(layer, q, k, v, positions, meta, rotary, scale)
+
+    cache.attend = recording_attend  # instance attribute shadows the method only during calibration
+    try:
+        for start in range(0, len(token_ids), window):
+            chunk = token_ids[start:start + window]
+            engine.prompt_logits(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    finally:
+        del cache.attend
+    k_out, v_out = [torch.cat(x) for x in ks], [torch.cat(x) for x in vs]
+    if with_query_energy:
+        return k_out, v_out, [e / len(token_ids) for e in qe]
+    return k_out, v_out
+
+
+def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], *, name: str, bits: int,
+                      meta: dict | None = None, query_energy: list[torch.Tensor] | None = None,
+                      **fit_kw) -> ModelKVProfile:
+    """Fit one KVQuantProfile per layer (`kernels.kv_quant.fit_kv_profile`, keyword options in `fit_kw`).
+
+    Args:
+        k_layers, v_layers: per layer [N, H, D] pre-RoPE keys and values (from collect_calibration_kv).
+        name: profile name (domain). bits: 2, 3 or 4. meta: extra JSON metadata.
+        query_energy: optional per-layer [H, D] key-channel weights (collect_calibration_kv with
+            with_query_energy=True), used by per-channel key widths (`k_channel_bits`).
+    Raises:
+        ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy of the wrong length.
+    """
+    from kernels.kv_calibrate import fit_kv_profile
+
+    if query_energy is not None and len(query_energy) != len(k_layers):
+        raise ValueError(f"query_energy has {len(query_energy)} layers; k_layers has {len(k_layers)}")
+    qe = query_energy if query_energy is not None else [None] * len(k_layers)
+    layers = [fit_kv_profile(k, v, bits=bits, query_energy=e, **fit_kw) for k, v, e in zip(k_layers, v_layers, qe)]
+    opts = dict(fit_kw)
+    if fit_kw.get("k_channel_bits") is not None:
+        opts["query_energy"] = query_energy is not None
+    return ModelKVProfile(name=name, bits=bits, layers=layers, meta={**(meta or {}), "fit_options": opts})
+
+
+def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size: int = 16,
+                         sink_tokens: int = 1, full_precision_bytes: int = 2) -> float:
+    """Effective bits per K/V element of one sequence of `num_tokens` tokens in the quantized paged cache.
+
+    Counts, per layer: sealed tokens at quantized size (codes, V scales, outlier values), the sink and the
+    unsealed tail at `full_precision_bytes` bytes per element, and the profile's tensors amortised over this
+    one sequence (a pessimistic bound: they are shared by every sequence). Layers hold equal element counts,
+    so the model figure is the mean over layers (`kernels.kv_quant.effective_bits`).
+
+    Raises: ValueError if num_tokens < 1.
+    """
+    from kernels.kv_profile import effective_bits
+
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 1")
+    sealed = max(0, num_tokens - sink_tokens) // block_size * block_size
+    bits = [effective_bits(p, num_tokens=sealed, num_full_precision_tokens=num_tokens - sealed,
+                           full_precision_bytes=full_precision_bytes) for p in profile.layers]
+    return sum(bits) / len(bits)

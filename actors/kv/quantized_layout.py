@@ -1,0 +1,138 @@
+"""Byte layout of the quantized KV cache's pages, and the cache's size arithmetic (bytes, pages, sequences).
+
+Mixed bit widths, one byte pool (sub-page allocation, actors/kv/pool.py). Every layer has one uint8 arena of
+`num_pages` equal pages; page p is the same byte range in every layer's arena. A page holds T_b tokens of
+one width b (T_b = page bytes // bytes per token: 13 / 9 / 7 tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte
+pages), laid out as a `KVPages` block [v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)],
+so each width's `KVPages` is a set of strided views of the same arena (block stride = page bytes). Any free page
+serves any width; finishing returns whole pages; the only waste is page slack and each sequence's unfilled
+last page (measured below 5% on the issue's workload, tests/actors/test_kv_quant_pool.py). Blocks of S
+tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at
+29-44% waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
+
+Invariants: a layer's page is a multiple of PAGE_ALIGN bytes, so every fp16 field of a page is 2-byte aligned;
+a width's fields [v_scale | k_outliers | v_outliers | k_codes | v_codes] of Tp tokens end inside the page
+(asserted in `arena_views`); profiles with equal `layout_key` share one layout, i.e. one set of views.
+
+Shape legend: NP = pool pages, Tp = tokens per page of one width, H = KV heads, D = head_dim, S = block_size,
+Ns = sink tokens.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from actors.kv.pool import choose_page_bytes
+from actors.kv.profiles import ModelKVProfile
+from kernels.kv_pack import packed_bytes
+from kernels.kv_pages import KVPages
+
+PAGE_ALIGN = 16  # bytes; keeps every fp16 field of a page 2-byte aligned and rows friendly to vector loads
+
+
+def layout_key(profile: ModelKVProfile) -> tuple[int, int, int, int]:
+    """(bits, Ok, Ov, Pk): profiles with equal keys share one page layout (H and D are fixed per cache).
+    Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`)."""
+    bits, _, _, ok, ov = profile.layout()
+    return bits, ok, ov, profile.layers[0].k_packed_bytes
+
+
+def arena_views(arena: torch.Tensor, key: tuple[int, int, int, int], tokens: int, h: int, d: int) -> KVPages:
+    """`KVPages` of one width over arena [NP, page bytes] uint8: strided views, no copy (layout in module doc)."""
+    bits, ok, ov, pk = key
+    npg, pb = arena.shape
+    p = packed_bytes(d, bits)
+    f16 = arena.view(torch.float16)  # [NP, pb / 2]
+    o = 0
+    fields = {}
+    for name, n, shape in (("v_scale", tokens * h, (tokens, h)), ("k_outliers", tokens * h * ok, (tokens, h, ok)),
+                           ("v_outliers", tokens * h * ov, (tokens, h, ov))):
+        fields[name] = f16[:, o:o + n].view(npg, *shape)
+        o += n
+    o *= 2
+    for name, row in (("k_codes", pk), ("v_codes", p)):
+        n = h * tokens * row
+        fields[name] = arena[:, o:o + n].view(npg, h, tokens, row)
+        o += n
+    assert o <= pb, (o, pb)  # tokens_per_page guarantees it
+    return KVPages(**fields)
+
+
+class QuantizedKVSizes:
+    """Size arithmetic of `QuantizedPagedKVCache`, static so that it serves before a cache exists (the builder).
+
+    `QuantizedPagedKVCache` inherits it: `QuantizedPagedKVCache.max_concurrent_sequences(...)` is this method.
+    """
+
+    @staticmethod
+    def bytes_per_block_for(profile: ModelKVProfile, block_size: int) -> int:
+        """Bytes of S quantized tokens of `profile` (all layers): codes, V scales, outlier values."""
+        return block_size * sum(p.bytes_per_token() for p in profile.layers)
+
+    @staticmethod
+    def staging_bytes_for(num_layers: int, max_sequences: int, sink_tokens: int, block_size: int,
+                          num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of the full-precision staging rows (sink + unsealed tail) of `max_sequences` slots."""
+        item = torch.empty(0, dtype=dtype).element_size()
+        return 2 * num_layers * max_sequences * (sink_tokens + block_size) * num_kv_heads * head_dim * item
+
+    @staticmethod
+    def pool_page_bytes(profiles: Iterable[ModelKVProfile], block_size: int, *,
+                        mean_live_tokens: float = 400.0) -> int:
+        """Bytes of one pool page over all layers for these profiles (actors.kv.pool.choose_page_bytes per layer).
+
+        The per-layer page lies in [largest token, S largest tokens] (so a page never costs more than one
+        logical block at the widest width) and minimises page slack plus half a page of tokens per sequence
+        of `mean_live_tokens` tokens. Raises: ValueError if profiles is empty.
+        """
+        profiles = list(profiles)
+        if not profiles:
+            raise ValueError("profiles is empty")
+        per_layer = {layout_key(p): p.layers[0].bytes_per_token() for p in profiles}
+        top = max(per_layer.values())
+        start = -(-top // PAGE_ALIGN) * PAGE_ALIGN
+        hi = max(start, block_size * top // PAGE_ALIGN * PAGE_ALIGN)
+        pb = choose_page_bytes(per_layer, lo=start, hi=hi, step=PAGE_ALIGN, mean_live_tokens=mean_live_tokens)
+        return pb * profiles[0].num_layers
+
+    @classmethod
+    def max_concurrent_sequences(cls, budget_bytes: int, seq_len: int,
+                                 profile: ModelKVProfile | Sequence[ModelKVProfile], *, block_size: int = 16,
+                                 sink_tokens: int = 1, dtype: torch.dtype = torch.float16, num_profiles: int = 1,
+                                 page_bytes: int | None = None) -> int:
+        """How many sequences of `seq_len` tokens fit a KV budget of `budget_bytes` bytes.
+
+        `profile` is one profile, or a list whose profiles the sequences take in turn (a 2/3/4-bit mix).
+        Each sequence costs the pages of its seq_len - Ns quantized tokens plus one page of headroom (the
+        allocator's reserve for a sequence in flight) and one staging slot; the profiles' tensors are paid
+        once (`num_profiles` times for a single profile, each listed profile once for a list). `page_bytes`
+        defaults to `pool_page_bytes` of the profiles. Raises: ValueError if seq_len < 1 or budget_bytes < 0.
+        """
+        if seq_len < 1 or budget_bytes < 0:
+            raise ValueError(f"seq_len={seq_len} must be >= 1 and budget_bytes={budget_bytes} >= 0")
+        single = isinstance(profile, ModelKVProfile)
+        profs = [profile] if single else list(profile)
+        if page_bytes is None:
+            page_bytes = cls.pool_page_bytes(profs, block_size)
+        p0 = profs[0].layers[0]
+        staging = cls.staging_bytes_for(profs[0].num_layers, 1, sink_tokens, block_size, p0.num_kv_heads,
+                                        p0.head_dim, dtype)
+        quant = max(0, seq_len - sink_tokens)
+        costs = []
+        for p in profs:
+            per_page = page_bytes // sum(lp.bytes_per_token() for lp in p.layers)
+            costs.append((-(-quant // per_page) + 1) * page_bytes + staging)
+        fixed = num_profiles * profile.nbytes() if single else sum(p.nbytes() for p in {id(p): p for p in profs}.values())
+        left = budget_bytes - fixed
+        if left <= 0:
+            return 0
+        cycle = sum(costs)
+        n = (left // cycle) * len(costs)
+        left -= (left // cycle) * cycle
+        for c in costs:
+            if c > left:
+                break
+            left -= c
+            n += 1
+        return n
