@@ -341,16 +341,16 @@ def test_compiled_prefetch_step_equals_the_python_bookkeeping(qwen_dir, predicto
     """The decode-step bookkeeping in one compiled call per layer (`kernels.cpu.prefetch_step`) against
     the Python-list path (kernels off): same greedy tokens, same prediction recall / precision / thrash, and the
     same learned Markov counts, on batches of 3 sequences decoding together."""
-    from kernels import cpu as cpu_kernels
+    from kernels.cpu import _build
 
-    if not cpu_kernels.cpu_kernels_available():
+    if not _build.cpu_kernels_available():
         pytest.skip("no compiled CPU kernels here")
     kw = dict(weight_bits=4, expert_cache_capacity=2, prefetch=predictor)
     fast = make_engine(qwen_dir, **kw)
     a = greedy(fast)
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "_lib", None)
-        m.setattr(cpu_kernels, "_tried", True)
+        m.setattr(_build, "_lib", None)
+        m.setattr(_build, "_tried", True)
         slow = make_engine(qwen_dir, **kw)
         b = greedy(slow)
         sb = slow.expert_runtime.summary()
@@ -387,11 +387,11 @@ def test_prefetch_worker_thread_ends_when_the_worker_is_dropped():
 def _sticky_predictions(path: str, deployment: str, request: str | None, path_kind: str, monkeypatch) -> tuple:
     """Decode one sequence; per decode step and MoE layer after the first: (prediction made for the layer, the
     previous step's routing at that layer). Returns (pairs, runtime)."""
-    from kernels import cpu as cpu_kernels
+    from kernels.cpu import _build
 
     if path_kind == "lists":
-        monkeypatch.setattr(cpu_kernels, "_lib", None)
-        monkeypatch.setattr(cpu_kernels, "_tried", True)
+        monkeypatch.setattr(_build, "_lib", None)
+        monkeypatch.setattr(_build, "_tried", True)
     elif path_kind == "tensor":
         monkeypatch.setattr(tuning, "SMALL_STEP_CELLS", 0)
     eng = make_engine(path, weight_bits=4, expert_cache_capacity=2, prefetch="hybrid", gating=deployment)
@@ -424,9 +424,9 @@ def test_sticky_tokens_are_predicted_with_their_previous_experts_first(qwen_dir,
     """Under `sticky` (the deployment's policy or the request's), each decode token's prediction for a layer holds
     its predecessor's experts at that layer and fills the budget (k + 1) from the predictor; under `exact` it is
     the predictor's own ranking, which here leaves some of them out."""
-    from kernels import cpu as cpu_kernels
+    from kernels.cpu import _build
 
-    if path_kind == "compiled" and not cpu_kernels.cpu_kernels_available():
+    if path_kind == "compiled" and not _build.cpu_kernels_available():
         pytest.skip("no compiled CPU kernels here")
     pairs, rt = _sticky_predictions(qwen_dir, deployment, request_policy, path_kind, monkeypatch)
     assert len(pairs) >= 8

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels.cpu import cpu_kernels_available, linear
+from kernels.cpu import _build, cpu_kernels_available, linear
 from kernels.tuning import MAX_KERNEL_ROWS
 
 
@@ -46,8 +46,8 @@ def test_fallback_paths_equal_the_widened_f_linear(monkeypatch):
     x = torch.randn(MAX_KERNEL_ROWS + 3, 40)
     w = torch.randn(12, 40).bfloat16()
     torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    monkeypatch.setattr(_build, "_lib", None)
+    monkeypatch.setattr(_build, "_tried", True)
     torch.testing.assert_close(linear(x[:2], w), F.linear(x[:2], w.float()), atol=1e-5, rtol=1e-5)
     wf = torch.randn(12, 40)
     assert torch.equal(linear(x, wf), F.linear(x, wf))
@@ -191,8 +191,8 @@ def test_dequant_packed_is_bit_identical_to_the_reference(bits, codebook, monkey
         out = torch.empty(shape)
         assert dequantize(p, out=out) is out and torch.equal(out, fast)
         with monkeypatch.context() as m:
-            m.setattr(cpu_kernels, "_lib", None)
-            m.setattr(cpu_kernels, "_tried", True)
+            m.setattr(_build, "_lib", None)
+            m.setattr(_build, "_tried", True)
             ref = dequantize(p)
         assert torch.equal(fast, ref)
 
@@ -259,8 +259,8 @@ def test_gate_logprobs_matches_torch():
 
 def test_markov_tables_fall_back_without_kernels(monkeypatch):
     """Without compiled kernels the Markov tables decline (callers keep their Python path) and change nothing."""
-    monkeypatch.setattr(cpu_kernels, "_lib", None)
-    monkeypatch.setattr(cpu_kernels, "_tried", True)
+    monkeypatch.setattr(_build, "_lib", None)
+    monkeypatch.setattr(_build, "_tried", True)
     f, m = torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4, 4, dtype=torch.float64)
     t = cpu_kernels.MarkovTables(f, m, m.clone())
     assert not t.ok and t.observe(0, [[1, 2]], None, None) is False and t.probs(0, 0.5, [1, 1], None, None, 1) is None

@@ -214,12 +214,12 @@ def test_list_path_matches_tensor_path(name, compiled, monkeypatch):
     count) when read back, with batches of 1 and 3 tokens, padded (-1) ids and tokens without a predecessor."""
     import random
 
-    from kernels import cpu as cpu_kernels
+    from kernels.cpu import _build
 
     if not compiled:
-        monkeypatch.setattr(cpu_kernels, "_lib", None)
-        monkeypatch.setattr(cpu_kernels, "_tried", True)
-    elif not cpu_kernels.cpu_kernels_available():
+        monkeypatch.setattr(_build, "_lib", None)
+        monkeypatch.setattr(_build, "_tried", True)
+    elif not _build.cpu_kernels_available():
         pytest.skip("no compiled CPU kernels here")
 
     rng = random.Random(0)

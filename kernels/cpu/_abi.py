@@ -1,0 +1,110 @@
+"""The C kernels' ABI in ctypes: argument structs (entry points of over 10 arguments) and every signature.
+
+`SIGNATURES` holds each entry point's argument and result types; `_build` applies them when the library loads.
+`f32_cpu` is the dtype / device check every wrapper makes before passing a tensor as a `float *`.
+
+Invariant: each `*Args` class lists the fields of the C typedef named in its docstring, in the same order and
+with the same C types (`P` a pointer, passed as an int address or None for 0; `L` C long = int64; `F` float;
+`D` double), so the C function reads exactly what Python wrote. An entry point that takes a struct takes a
+pointer to it: call it with `ctypes.byref(args)`.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+_L, _P, _F, _D = ctypes.c_long, ctypes.c_void_p, ctypes.c_float, ctypes.c_double
+_TYPES = {"L": _L, "P": _P, "F": _F, "D": _D}
+
+
+def _fields(spec: str) -> list[tuple[str, type]]:
+    """`"P h, L sh"` -> `[("h", c_void_p), ("sh", c_long)]` (reads like the C declaration)."""
+    return [(name, _TYPES[t]) for t, name in (f.split() for f in spec.split(","))]
+
+
+class RmsNormArgs(ctypes.Structure):
+    """`moeray_rms_norm_args` (kernels/csrc/rms_norm.c)."""
+    _fields_ = _fields("P h, L sh, P delta, L sd, P h_out, L so, P w, P y, L sy, L M, L D, F eps")
+
+
+class DecodeAttentionArgs(ctypes.Structure):
+    """`moeray_decode_attention_args` (kernels/csrc/decode_attention.c)."""
+    _fields_ = _fields("P q, P kc, P vc, P bt, L mb, P ctx, P tok, P out, L B, L H, L Hkv, L Dh, L S, F scale")
+
+
+class ExpertFFNArgs(ctypes.Structure):
+    """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
+    _fields_ = _fields("P x, L sx, P gu, P dn, P ids, P wts, L R, L D, L I, P y, L sy, P scratch")
+
+
+class PackRowsArgs(ctypes.Structure):
+    """`moeray_pack_rows_args` (kernels/csrc/pack_rows.c)."""
+    _fields_ = _fields("P x, L D, P tok, P dest, P local, L V, L W, L C, P send, P slot, P counts")
+
+
+class DequantPackedArgs(ctypes.Structure):
+    """`moeray_dequant_packed_args` (kernels/csrc/dequant_packed.c)."""
+    _fields_ = _fields("P codes, L W, P s, P z, L G, L gs, P cb, L L, L rows_per_matrix, L R, L K, L bits, P out")
+
+
+class PackedStack(ctypes.Structure):
+    """`moeray_packed_stack` (kernels/csrc/packed_expert_ffn.c): one packed weight stack."""
+    _fields_ = _fields("P codes, P scales, P zeros, P codebook, L W, L G, L gs, L bits")
+
+
+class PackedExpertFFNArgs(ctypes.Structure):
+    """`moeray_packed_expert_ffn_args` (kernels/csrc/packed_expert_ffn.c); gu, dn point at `PackedStack`s."""
+    _fields_ = _fields("P x, L sx, P ids, L R, P gu, P dn, L D, L I, P y, L sy, P scratch")
+
+
+class MarkovObserveArgs(ctypes.Structure):
+    """`moeray_markov_observe_args` (kernels/csrc/predict.c)."""
+    _fields_ = _fields("P freq, P inter, P intra, L E, L T, P ids, L K, P pl, L Kp, P pt, L Kt")
+
+
+class MarkovProbsArgs(ctypes.Structure):
+    """`moeray_markov_probs_args` (kernels/csrc/predict.c)."""
+    _fields_ = _fields("P freq, P inter, P intra, L E, D alpha, D w0, D w1, D w2, L T, P pl, L Kp, P pt, L Kt, "
+                       "P look, P out")
+
+
+class PrefetchStepArgs(ctypes.Structure):
+    """`moeray_prefetch_step_args` (kernels/csrc/predict.c); fields left unset are 0 (absent)."""
+    _fields_ = _fields("P stats, P ids, L K, L T, P pred, L B, P pl, L Kp, P pt, L Kt, "
+                       "P freq, P inter, P intra, L E, "
+                       "P nfreq, P ninter, P nintra, D alpha, D w0, D w1, D w2, P npt, L Knt, "
+                       "P h, L sh, L D, P norm, F eps, P gate, "
+                       "L NB, P pred_out, P agg, P top, P scratch")
+
+
+def _ptr(struct: type) -> list:
+    return [ctypes.POINTER(struct)]
+
+
+# entry point -> (argtypes, restype)
+SIGNATURES = {
+    "moeray_linear_bf16w": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], None),
+    "moeray_rms_norm": (_ptr(RmsNormArgs), None),
+    "moeray_decode_attention": (_ptr(DecodeAttentionArgs), None),
+    "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), None),
+    "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
+    "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),
+    "moeray_dequant_packed": (_ptr(DequantPackedArgs), None),
+    "moeray_packed_expert_ffn": (_ptr(PackedExpertFFNArgs), None),
+    "moeray_markov_observe": (_ptr(MarkovObserveArgs), None),
+    "moeray_markov_probs": (_ptr(MarkovProbsArgs), None),
+    "moeray_gate_logprobs": ([_P, _L, _L, _L, _P, _F, _P, _L, _P, _P], None),
+    "moeray_prefetch_step": (_ptr(PrefetchStepArgs), None),
+}
+
+F32 = torch.float32
+F16 = torch.float16
+
+
+def f32_cpu(*ts: torch.Tensor) -> bool:
+    """True when every tensor is fp32 on CPU: what a `float *` argument needs (strides are checked apart)."""
+    for t in ts:  # a loop, not all(genexpr): this runs ~30 times per decode step
+        if t.dtype is not F32 or t.device.type != "cpu":
+            return False
+    return True
