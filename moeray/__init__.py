@@ -10,6 +10,6 @@ The Python API for programs:
 """
 from actors.engine.sampling import SamplingParams
 from moeray.api import LLM
-from router_service.router import CompletionOutput, RequestOutput
+from router_service.stream import CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -9,7 +9,8 @@ import ray
 from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
-from router_service.router import RequestOutput, RequestStream, Router
+from router_service.router import Router
+from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray")
 

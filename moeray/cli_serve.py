@@ -3,7 +3,7 @@
     moeray serve --model models/tiny-moe --ranks 2 --http-port 8000 --grpc-port 50051
 
 Both listen on --host (127.0.0.1 unless told otherwise). With --http-port > 0 the EP cluster lives in
-the Serve replica (`router_service.serve_app.MoerayServer`) and the gRPC server runs in that replica
+the Serve replica (`router_service.serve.deployment.MoerayServer`) and the gRPC server runs in that replica
 too, sharing its router; with --http-port 0 no Serve is started and the gRPC server runs in this
 process (a standalone server). `--grpc-proxy` answers gRPC through Ray Serve's own gRPC proxy instead
 (the path deploy/serve_config.yaml uses), which binds every interface whatever --host says (Serve 2.60
@@ -164,7 +164,7 @@ def cmd_serve(a) -> int:
     from ray import serve
 
     from router_service.http.models import ServeAppArgs
-    from router_service.serve_app import GRPC_SERVICER_FUNCTION, build_app
+    from router_service.serve.deployment import GRPC_SERVICER_FUNCTION, build_app
 
     init_ray(a.address or os.environ.get("RAY_ADDRESS"))
     import torch

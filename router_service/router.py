@@ -1,8 +1,8 @@
 """Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
 
 One poller thread per rank reads the rank's output channel (a TCP stream of msgpack frames, see
-`actors.rank.worker`) and routes each `TokenOutput` to its request's stream. A request's stream ends with exactly
-one output whose `finish_reason` is set.
+`actors.rank.worker`) and routes each `TokenOutput` to its request's stream (`router_service.stream`).
+A request's stream ends with exactly one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
 any poller finds its rank dead (the actor is gone) or failed (its loop raised, e.g. a collective timed out
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import socket
 import struct
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import ray
 from tokenizers import Tokenizer
@@ -31,98 +29,13 @@ from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
 from actors.engine.sampling import SamplingParams
 from cluster.launcher import EPCluster
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
 
 # seconds without any frame on a rank's output channel (it sends a heartbeat every second) before the router
 # asks the actor directly whether it is alive
 CHANNEL_SILENCE_S = 15.0
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionOutput:
-    """One generated sequence in vLLM's shape (`RequestOutput.outputs[0]`): `index`, `text`, `token_ids`,
-    `finish_reason`."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-
-
-@dataclass(kw_only=True, slots=True)
-class RequestOutput:
-    """Final result of one request: generated `text`, `token_ids` (EOS excluded), `finish_reason`
-    (`stop` | `length` | `abort` | `error`), `error` message if any, and timing in seconds. Code written for
-    vLLM reads the same through `outputs[0].text` / `.token_ids` / `.finish_reason` and `finished`."""
-
-    request_id: str
-    prompt: str | list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    prompt_tokens: int = 0
-    ttft_s: float | None = None
-    token_times: list[float] = field(default_factory=list)
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM's view: one `CompletionOutput` (one sequence per request here)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class RequestStream:
-    """Outputs of one request as they arrive (thread-safe). Iterate for `TokenOutput`s; `result()`
-    waits for the end. `cancel()` aborts it on its rank and frees its KV blocks."""
-
-    def __init__(self, router: "Router", request_id: str, prompt, rank: int, prompt_tokens: int, cost: int):
-        self.router, self.request_id, self.rank = router, request_id, rank
-        self.out = RequestOutput(request_id=request_id, prompt=prompt, prompt_tokens=prompt_tokens)
-        self.q: queue.Queue[TokenOutput] = queue.Queue()
-        self.t0 = time.perf_counter()
-        self.cost = cost
-        self.done = threading.Event()
-        # a cancel that arrives while the rank is still taking the request is replayed once it has it
-        self.admitted = False
-        self.abort_pending = False
-
-    def get(self, timeout: float | None = None) -> TokenOutput:
-        """The next output (blocking up to `timeout` s). Raises queue.Empty on timeout."""
-        return self.q.get(timeout=timeout)
-
-    def _push(self, o: TokenOutput) -> None:
-        now = time.perf_counter() - self.t0
-        if o.token_ids:
-            if self.out.ttft_s is None:
-                self.out.ttft_s = now
-            self.out.token_times.extend([now] * len(o.token_ids))
-        self.out.token_ids.extend(o.token_ids)
-        self.out.text += o.text
-        if o.finish_reason is not None:
-            self.out.finish_reason = o.finish_reason
-            self.out.error = o.error
-            self.done.set()
-        self.q.put(o)
-
-    def __iter__(self):
-        while True:
-            o = self.q.get()
-            yield o
-            if o.finish_reason is not None:
-                return
-
-    def result(self, timeout: float | None = None) -> RequestOutput:
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
-        return self.out
-
-    def cancel(self) -> None:
-        self.router.abort(self.request_id)
 
 
 def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:

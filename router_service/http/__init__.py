@@ -1,1 +1,1 @@
-"""OpenAI-style HTTP: request models and the FastAPI app."""
+"""OpenAI-style HTTP: request models, request handling over a Router, and the FastAPI app."""

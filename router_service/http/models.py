@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI-style HTTP API and of the Serve application's arguments.
 
 Every sampling field is validated here, at the edge; a violation becomes HTTP 400 whose message names
-the field, the value and the limit (see `router_service.serve_app`). Checks that need the tokenizer
+the field, the value and the limit (see `router_service.http.app`). Checks that need the tokenizer
 (prompt + max_tokens over the context window) or the served model (unknown `model`) are made by the
 app and the router, with the same kind of message.
 """

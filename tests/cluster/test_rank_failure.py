@@ -89,7 +89,7 @@ def test_refuses_while_rebuilding_and_http_gets_503(llm):
     from fastapi.testclient import TestClient
 
     from router_service.errors import EngineError
-    from router_service.serve_app import create_app
+    from router_service.http.app import create_app
 
     router = llm.router
     client = TestClient(create_app(router, model_name="m"))

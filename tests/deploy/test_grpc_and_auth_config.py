@@ -27,7 +27,7 @@ def test_grpc_options_load_the_moeray_servicer(config):
     from ray.serve.config import gRPCOptions
 
     from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
-    from router_service.serve_app import GRPC_SERVICER_FUNCTION
+    from router_service.serve.deployment import GRPC_SERVICER_FUNCTION
 
     opts = gRPCOptions(**config["grpc_options"])
     assert opts.grpc_servicer_functions == [GRPC_SERVICER_FUNCTION]
@@ -38,7 +38,7 @@ def test_grpc_options_load_the_moeray_servicer(config):
 
 def test_deployment_has_a_method_per_rpc():
     from router_service.proto.moeray.v1 import moeray_pb2 as pb
-    from router_service.serve_app import MoerayServer
+    from router_service.serve.deployment import MoerayServer
 
     cls = MoerayServer.func_or_class
     service = pb.DESCRIPTOR.services_by_name["Moeray"]

@@ -82,7 +82,7 @@ def test_import_path_args_and_deployment_names(config):
         args = ServeAppArgs.model_validate(app.get("args", {}))  # extra="forbid": unknown args fail here
         application = builder(args)
         assert isinstance(application, object) and not isinstance(application, types.FunctionType)
-        from router_service.serve_app import MoerayServer
+        from router_service.serve.deployment import MoerayServer
 
         assert {d["name"] for d in app["deployments"]} <= {MoerayServer.name}
         for d in app["deployments"]:

@@ -17,7 +17,7 @@ def client(llm):
     """An HTTP test client of the OpenAI-style app over the test module's `llm` fixture."""
     from fastapi.testclient import TestClient
 
-    from router_service.serve_app import create_app
+    from router_service.http.app import create_app
 
     with TestClient(create_app(llm.router)) as c:
         yield c

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from router_service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate, load_chat_template
-from router_service.serve_app import create_app
+from router_service.http.app import create_app
 from tests.router_service.conftest import start_llm, wait_idle
 
 pytestmark = pytest.mark.ray

@@ -137,7 +137,7 @@ def test_request_observer_latencies():
 def served(ray_session, tiny_model_dir):
     from fastapi.testclient import TestClient
 
-    from router_service.serve_app import create_app
+    from router_service.http.app import create_app
     from tests.router_service.conftest import start_llm
 
     llm = start_llm(tiny_model_dir("qwen2_moe", num_layers=3), ranks=2)  # layer 1 is dense (mlp_only_layers)

@@ -138,8 +138,8 @@ def test_client_errors_are_logged_as_one_line():
     import logging
     import sys
 
-    from router_service.grpc.server import RpcError
-    from router_service.serve_app import ClientErrorLogFilter
+    from router_service.grpc.rpc import RpcError
+    from router_service.serve.deployment import ClientErrorLogFilter
 
     class Wrapped(Exception):  # as Serve's gRPCStatusError carries the method's exception
         def __init__(self, original):

@@ -1,0 +1,194 @@
+"""The OpenAI-style HTTP routes: a FastAPI app (`create_app`) over an `OpenAIServer`, with JSON and SSE
+responses and the error shape.
+
+Routes (see `router_service.http.models` for the request fields and their limits):
+  POST /v1/completions, POST /v1/chat/completions  JSON, or SSE with `"stream": true` (the last event
+      before `data: [DONE]` carries `usage`, `choices: []`, when `stream_options.include_usage` is true)
+  GET /v1/models, GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
+Status codes: 400 bad input (`error.param` names the field, `error.message` the value and the limit),
+401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
+limit reached (at once, with `Retry-After`) or a rank failed. A client that disconnects mid-stream
+aborts its requests on their ranks (KV blocks freed).
+
+The app is usable with a TestClient, uvicorn, or as the Serve ingress of
+`router_service.serve.deployment.MoerayServer`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from contextlib import aclosing
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router_service.chat_template import ChatTemplate
+from router_service.errors import InvalidRequestError
+from router_service.grpc.rpc import api_key_ok, params_error_field
+from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
+from router_service.http.serving import OpenAIServer, _Reject, error_response
+from router_service.router import Router
+from router_service.stream import RequestStream
+
+log = logging.getLogger("moeray.http")
+
+
+def _validation_message(err: dict) -> tuple[str, str]:
+    """(field, message) of one pydantic error, e.g. ("max_tokens", "max_tokens=-1: Input should be
+    greater than or equal to 1")."""
+    if err.get("type") == "json_invalid":  # FastAPI's loc is ("body", <byte offset>): name the body, not "0"
+        return "body", f"body: invalid JSON ({err.get('ctx', {}).get('error', 'decode error')} at byte " \
+                       f"{err.get('loc', ('', '?'))[-1]})"
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # union members show up in loc (`str`, `list[int]`); keep the field path only
+    loc = [p for p in loc if not (p.startswith(("str", "list[", "int", "float", "bool", "function-")))]
+    msg = err.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    lead = re.match(r"(\w+)[:=]", msg)  # model-level validators start their message with the field
+    field = ".".join(loc) or (lead.group(1) if lead else params_error_field(msg))
+    if msg.startswith(f"{field}=") or msg.startswith(f"{field}:"):
+        pass  # the validator already named the field and its value
+    elif loc and "input" in err and not isinstance(err["input"], (dict, list)):
+        msg = f"{field}={err['input']!r}: {msg}"
+    elif loc:
+        msg = f"{field}: {msg}"
+    return field, msg
+
+
+def create_app(router: Router, *, model_name: str | None = None, api_key: str | None = None,
+               chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI app over `router` (usable with a TestClient, uvicorn, or as a Serve ingress)."""
+    srv = OpenAIServer(router, model_name, api_key, chat_template)
+    app = FastAPI(title="moeray", description="OpenAI-compatible API of an expert-parallel MoE cluster")
+    app.state.server = srv
+    m = srv.metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        field, msg = _validation_message(errs[0]) if errs else ("body", "invalid request body")
+        m.rejections.labels("invalid").inc()
+        m.requests.labels(request.url.path, "400").inc()
+        return error_response(400, msg, field)
+
+    def require_key(request: Request) -> None:
+        if not srv.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key")
+        if not api_key_ok(srv.api_key, key):
+            raise _Reject(error_response(401, "missing or wrong API key (Authorization: Bearer <key>)", None,
+                                         "authentication_error"), "unauthorized")
+
+    @app.exception_handler(_Reject)
+    async def _rejected(request: Request, exc: _Reject):
+        m.rejections.labels(exc.reason).inc()
+        m.requests.labels(request.url.path, str(exc.response.status_code)).inc()
+        return exc.response
+
+    @app.exception_handler(InvalidRequestError)
+    async def _invalid_request(request: Request, exc: InvalidRequestError):
+        m.rejections.labels("invalid").inc()
+        m.requests.labels(request.url.path, "400").inc()
+        return error_response(400, str(exc), exc.field)
+
+    @app.get("/health")
+    async def health():
+        h = await asyncio.get_running_loop().run_in_executor(None, router.health)
+        return JSONResponse(h, status_code=200 if h["ok"] else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            m.refresh(await asyncio.get_running_loop().run_in_executor(None, router.stats))
+        except Exception as e:  # noqa: BLE001 - still export what we have
+            log.warning("stats for /metrics failed: %s", e)
+        return PlainTextResponse(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def models():
+        card = ModelCard(id=srv.model_name, created=srv.created, max_model_len=router.cfg.max_model_len)
+        return {"object": "list", "data": [card.model_dump()]}
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(req: CompletionRequest, request: Request):
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await srv.submit(srv.completion_jobs(req, rid))
+        for s in streams:
+            m.prompt_tokens.inc(s.out.prompt_tokens)
+        return await _respond(req, streams, rid, "text_completion", request.url.path)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await srv.submit(srv.chat_jobs(req, rid))
+        for s in streams:
+            m.prompt_tokens.inc(s.out.prompt_tokens)
+        return await _respond(req, streams, rid, "chat.completion", request.url.path)
+
+    async def _respond(req: SamplingFields, streams: list[RequestStream], rid: str, obj: str, path: str):
+        chat = obj == "chat.completion"
+        created = int(time.time())
+        base = {"id": rid, "created": created, "model": srv.model_name}
+        completion = [0] * len(streams)
+        if not req.stream:
+            texts, reasons = [""] * len(streams), [None] * len(streams)
+            async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
+                async for i, o in outs:
+                    if o.finish_reason == "error":
+                        m.requests.labels(path, "503").inc()
+                        return error_response(503, o.error or "a rank failed", None, "engine_unavailable",
+                                              {"Retry-After": "1"})
+                    texts[i] += o.text
+                    completion[i] += len(o.token_ids)
+                    reasons[i] = o.finish_reason or reasons[i]
+            choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
+                         "finish_reason": reasons[i]} if chat else
+                        {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
+                       for i in range(len(streams))]
+            m.requests.labels(path, "200").inc()
+            return {**base, "object": obj, "choices": choices, "usage": srv.usage(streams, completion, req.n)}
+
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def event(d: dict) -> str:
+            return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
+
+        async def sse():
+            if chat:
+                for i in range(len(streams)):
+                    yield event({**base, "object": chunk_obj, "choices": [
+                        {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+            failed = False
+            async with aclosing(srv.outputs(streams)) as outs:
+                async for i, o in outs:
+                    if o.finish_reason == "error":
+                        failed = True
+                        yield event({"error": {"message": o.error or "a rank failed", "type": "engine_unavailable",
+                                               "param": None, "code": 503}})
+                        break
+                    completion[i] += len(o.token_ids)
+                    if not o.text and o.finish_reason is None:
+                        continue  # text held back (partial character or possible stop string)
+                    if chat:
+                        delta = {"content": o.text} if o.text else {}
+                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": o.finish_reason}
+                    else:
+                        choice = {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
+                    yield event({**base, "object": chunk_obj, "choices": [choice]})
+            if not failed and req.include_usage:
+                yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion, req.n)})
+            yield "data: [DONE]\n\n"
+
+        m.requests.labels(path, "200").inc()
+        return StreamingResponse(sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    return app

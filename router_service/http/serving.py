@@ -1,0 +1,153 @@
+"""OpenAI-style request handling over a `Router`, without an HTTP framework (`OpenAIServer`): model check,
+prompt building (chat template), all-or-nothing submission, the merged output stream of a request's
+choices, and `usage`. The FastAPI routes over it are in `router_service.http.app`.
+
+Errors: router refusals become `_Reject` carrying the HTTP response (400 bad input, 503 queue limit with
+`Retry-After`, 503 a rank failed); the app's exception handler returns it and counts the rejection.
+Leaving `outputs` early (also cancellation: the client went away) aborts every unfinished request on its
+rank (KV blocks freed).
+
+Chat template: `chat_template` from the model's tokenizer_config.json (Jinja, rendered in a sandbox
+with `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`), else `DEFAULT_CHAT_TEMPLATE`:
+one `Role: content` line per message, then `Assistant:` (plain text, since the shipped model has no
+chat special tokens).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from actors.engine.messages import TokenOutput
+from router_service.chat_template import ChatTemplate, load_chat_template
+from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.grpc.rpc import served_model_name
+from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router_service.metrics import Metrics
+from router_service.router import Router
+from router_service.stream import RequestStream
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
+
+
+class _Reject(Exception):
+    """A refusal: the HTTP `response` to send and the `reason` label it is counted under."""
+
+    def __init__(self, response: JSONResponse, reason: str):
+        self.response, self.reason = response, reason
+
+
+class OpenAIServer:
+    """Request handling over a `Router` (no HTTP framework in here, so handlers stay testable)."""
+
+    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None,
+                 chat_template: ChatTemplate | None = None):
+        self.router = router
+        self.model_name = served_model_name(router, model_name)
+        self.api_key = api_key or None
+        self.chat_template = chat_template or load_chat_template(router.cfg.model)
+        self.metrics = Metrics(router)
+        self.created = int(time.time())
+
+    # -------------------------------------------------------------- admission
+    def _check_model(self, req: SamplingFields) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise InvalidRequestError("model", f"model={req.model!r} is not served; available: [{self.model_name!r}]")
+
+    def _submit_all(self, jobs: list[tuple]) -> list[RequestStream]:
+        """Submit (prompt, params, request_id) jobs; all or nothing (a refusal aborts those submitted)."""
+        streams: list[RequestStream] = []
+        try:
+            for prompt, params, rid in jobs:
+                streams.append(self.router.submit(prompt, params, rid))
+        except BaseException:
+            for s in streams:
+                self.router.abort(s.request_id)
+            raise
+        return streams
+
+    async def submit(self, jobs: list[tuple]) -> list[RequestStream]:
+        """Submit off the event loop (the router makes a blocking call to the rank). Maps router errors
+        to `_Reject` with the HTTP response."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self._submit_all, jobs)
+        except InvalidRequestError as e:
+            raise _Reject(error_response(400, str(e), e.field), "invalid") from e
+        except OverloadedError as e:
+            raise _Reject(error_response(503, str(e), None, "overloaded_error", {"Retry-After": "1"}), "overloaded") from e
+        except EngineError as e:
+            raise _Reject(error_response(503, str(e), None, "engine_unavailable", {"Retry-After": "1"}), "unavailable") from e
+
+    def prompt_len(self, prompt: str | list[int]) -> int:
+        return len(prompt) if isinstance(prompt, list) else len(self.router.tokenizer.encode(prompt).ids)
+
+    def completion_jobs(self, req: CompletionRequest, rid: str) -> list[tuple]:
+        self._check_model(req)
+        max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        jobs = []
+        for p_i, prompt in enumerate(req.prompts()):
+            for j in range(req.n):
+                jobs.append((prompt, req.sampling_params(max_tokens, j), f"{rid}-{p_i * req.n + j}"))
+        return jobs
+
+    def chat_jobs(self, req: ChatCompletionRequest, rid: str) -> list[tuple]:
+        self._check_model(req)
+        text = self.chat_template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                                          for m in req.messages])
+        ids = self.router.tokenizer.encode(text).ids
+        L = self.router.cfg.max_model_len
+        if req.max_tokens is not None:
+            max_tokens = req.max_tokens
+        elif len(ids) >= L:
+            raise InvalidRequestError("messages", f"the templated prompt has {len(ids)} tokens; the context window is {L}")
+        else:
+            max_tokens = L - len(ids)  # the rest of the context window
+        return [(ids, req.sampling_params(max_tokens, j), f"{rid}-{j}") for j in range(req.n)]
+
+    # -------------------------------------------------------------- streaming
+    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenOutput]]:
+        """(choice index, output) of all streams as they arrive. One pump thread per stream hands outputs
+        to the event loop, so no executor slot is held per stream. On exit (also cancellation: the client
+        went away) every unfinished request is aborted on its rank."""
+        loop = asyncio.get_running_loop()
+        aq: asyncio.Queue = asyncio.Queue()
+
+        def pump(i: int, s: RequestStream) -> None:
+            for o in s:
+                try:
+                    loop.call_soon_threadsafe(aq.put_nowait, (i, o))
+                except RuntimeError:  # the loop is gone; the request was aborted by the finally below
+                    return
+
+        for i, s in enumerate(streams):
+            threading.Thread(target=pump, args=(i, s), daemon=True, name=f"sse-{s.request_id}").start()
+        left = len(streams)
+        timer = self.metrics.observer([s.t0 for s in streams])  # TTFT, inter-token and end-to-end latency
+        try:
+            while left:
+                i, o = await aq.get()
+                timer.observe(i, o.token_ids, o.finish_reason)
+                if o.finish_reason is not None:
+                    left -= 1
+                yield i, o
+        finally:
+            for s in streams:
+                if not s.done.is_set():
+                    self.router.abort(s.request_id)
+
+    @staticmethod
+    def usage(streams: list[RequestStream], completion: list[int], n: int = 1) -> dict:
+        """OpenAI `usage`: each prompt counted once (its `n` choices are streams i*n .. i*n+n-1, as OpenAI and
+        vLLM count them), completion tokens summed over every choice."""
+        p = sum(s.out.prompt_tokens for s in streams[::n])
+        c = sum(completion)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}

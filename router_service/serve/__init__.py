@@ -1,0 +1,1 @@
+"""The Ray Serve deployment (`MoerayServer`) and its application builder."""

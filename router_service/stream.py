@@ -1,0 +1,106 @@
+"""One request's outputs as they arrive (`RequestStream`) and its result in vLLM's shape (`RequestOutput`,
+`CompletionOutput`).
+
+The router creates a stream on admission and pushes every `TokenOutput` of the request into it from its
+rank's poller thread; the stream ends with exactly one output whose `finish_reason` is set, which also
+sets `done` and fills the final `RequestOutput`. Readers (front doors, `LLM`) iterate it from any thread.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from actors.engine.messages import TokenOutput
+
+if TYPE_CHECKING:  # the router imports this module; the stream only calls back into it
+    from router_service.router import Router
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One generated sequence in vLLM's shape (`RequestOutput.outputs[0]`): `index`, `text`, `token_ids`,
+    `finish_reason`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(kw_only=True, slots=True)
+class RequestOutput:
+    """Final result of one request: generated `text`, `token_ids` (EOS excluded), `finish_reason`
+    (`stop` | `length` | `abort` | `error`), `error` message if any, and timing in seconds. Code written for
+    vLLM reads the same through `outputs[0].text` / `.token_ids` / `.finish_reason` and `finished`."""
+
+    request_id: str
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    ttft_s: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's view: one `CompletionOutput` (one sequence per request here)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStream:
+    """Outputs of one request as they arrive (thread-safe). Iterate for `TokenOutput`s; `result()`
+    waits for the end. `cancel()` aborts it on its rank and frees its KV blocks."""
+
+    def __init__(self, router: "Router", request_id: str, prompt, rank: int, prompt_tokens: int, cost: int):
+        self.router, self.request_id, self.rank = router, request_id, rank
+        self.out = RequestOutput(request_id=request_id, prompt=prompt, prompt_tokens=prompt_tokens)
+        self.q: queue.Queue[TokenOutput] = queue.Queue()
+        self.t0 = time.perf_counter()
+        self.cost = cost
+        self.done = threading.Event()
+        # a cancel that arrives while the rank is still taking the request is replayed once it has it
+        self.admitted = False
+        self.abort_pending = False
+
+    def get(self, timeout: float | None = None) -> TokenOutput:
+        """The next output (blocking up to `timeout` s). Raises queue.Empty on timeout."""
+        return self.q.get(timeout=timeout)
+
+    def _push(self, o: TokenOutput) -> None:
+        now = time.perf_counter() - self.t0
+        if o.token_ids:
+            if self.out.ttft_s is None:
+                self.out.ttft_s = now
+            self.out.token_times.extend([now] * len(o.token_ids))
+        self.out.token_ids.extend(o.token_ids)
+        self.out.text += o.text
+        if o.finish_reason is not None:
+            self.out.finish_reason = o.finish_reason
+            self.out.error = o.error
+            self.done.set()
+        self.q.put(o)
+
+    def __iter__(self):
+        while True:
+            o = self.q.get()
+            yield o
+            if o.finish_reason is not None:
+                return
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} not finished within {timeout}s")
+        return self.out
+
+    def cancel(self) -> None:
+        self.router.abort(self.request_id)
+
