@@ -40,7 +40,8 @@ from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import decode_tpot, held_out_sequences
-from actors.moe.gating import POLICIES, GatingConfig, GatingRouter
+from actors.moe.gating import POLICIES, GatingConfig
+from actors.moe.gating_router import GatingRouter
 from actors.prefetch.predictors import DEFAULT_PREDICTOR, TRANSITIONS_FILE, RoutingTrace, TransitionCounts, make_predictor, prequential_eval
 
 WINDOW = 4096
