@@ -33,7 +33,7 @@ from safetensors import safe_open
 from actors.model.config import ModelConfig
 from actors.model.weights import CheckpointReader, _moe_prefix, load_expert_weights
 from kernels.packed_weights import PackedExperts, PackedWeight, quantize, words_per_row
-from actors.prefetch.predictors import TRANSITIONS_FILE
+from actors.prefetch.transitions import TRANSITIONS_FILE
 
 QUANT_CONFIG = "quantization_config.json"
 FORMAT = "moeray-packed"

@@ -67,19 +67,11 @@ from kernels.cpu import PackedFFNArgs, cpu_kernels_available, prefetch_step, swi
 from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
 from actors.moe.gating import POLICIES, GatingBatch
-from actors.prefetch.predictors import (
-    DEFAULT_PREDICTOR,
-    PREDICTORS,
-    TRANSITIONS_FILE,
-    ExpertPredictor,
-    MarkovPredictor,
-    RoutingTrace,
-    TransitionCounts,
-    fit_lookahead_gates,
-    fit_loglinear,
-    keep_previous_first,
-    make_predictor,
-)
+from actors.prefetch.base import ExpertPredictor
+from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from actors.prefetch.markov import MarkovPredictor
+from actors.prefetch.predictors import DEFAULT_PREDICTOR, PREDICTORS, keep_previous_first, make_predictor
+from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
 from actors.moe.stats import RoutingStats, jaccard_distance
 
 log = logging.getLogger("moeray.experts")
