@@ -38,6 +38,11 @@ class LookaheadPredictor(ExpertPredictor):
         self.norm_eps = norm_eps
         self._compiled = GateLogprobs(self.gate, self.norm, norm_eps)
 
+    def compiled_gate(self, layer: int) -> tuple | None:
+        """`layer`'s gate for the compiled kernels (`kernels.cpu.GateLogprobs.ptrs`: gate pointer, norm pointer
+        or None, E, D), or None where they cannot run."""
+        return self._compiled.ptrs(layer)
+
     def log_probs(self, layer: int, hidden_TD: torch.Tensor) -> torch.Tensor:
         """`[T, E]` float32 log softmax(gate_l(rmsnorm_l(h))) (layer must have a gate)."""
         fast = self._compiled(layer, hidden_TD)
@@ -94,14 +99,13 @@ class HybridPredictor(ExpertPredictor):
         return torch.softmax(self.logits(layer, prev_layer_ids_TK, prev_token_ids_TK, hidden_TD, num_tokens), -1)
 
     def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
-        w = MarkovPredictor._weights_list(self, layer)
+        w = self.weights_list(layer)
         look = None
         if hidden_TD is not None and self.lookahead.gate[layer] is not None:
             look = self.lookahead.log_probs(layer, hidden_TD)
         m = self.markov
-        if m._pending_tokens or m._pending[0]:
-            m._flush()
-        p = m._tables_c().probs(layer, m.alpha, w, prev_layer, prev_tok, num_tokens, look)
+        m.flush()
+        p = m.compiled_tables().probs(layer, m.alpha, w, prev_layer, prev_tok, num_tokens, look)
         if p is not None:  # the compiled path (same formula)
             return p
         rows = m._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)
@@ -110,6 +114,10 @@ class HybridPredictor(ExpertPredictor):
                 for b, v in enumerate(look):
                     r[b] += w[2] * v
         return [_softmax(r) for r in rows]
+
+    def weights_list(self, layer: int) -> list[float]:
+        """`weights[layer]` as floats (`MarkovPredictor.weights_list` on the hybrid's weights)."""
+        return MarkovPredictor.weights_list(self, layer)
 
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         self.markov.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)

@@ -47,16 +47,19 @@ class FrequencyPredictor(ExpertPredictor):
         self._pending_tokens = 0
         self._layer_seen: list[bool] | None = None
 
-    def _tables_c(self) -> MarkovTables:
-        """The compiled view of the current count tensors (rebuilt when `counts` is replaced)."""
+    def compiled_tables(self) -> MarkovTables:
+        """The compiled view (`kernels.cpu.MarkovTables`) of the count tensors, rebuilt when `counts` is replaced;
+        its `ok` is False where the kernels cannot run. It reads the tensors as they are: `flush()` first."""
         c, t = self._counts, getattr(self, "_ctab", None)
         if t is None or t._keep[0] is not c.freq or t._keep[1] is not c.inter or t._keep[2] is not c.intra:
             t = self._ctab = MarkovTables(c.freq, c.inter, c.intra)
         return t
 
-    def _observed_c(self, layer: int, ids: list[list[int]]) -> None:
+    def after_compiled_observe(self, layer: int, ids: list[list[int]]) -> None:
         """After the compiled tables learned a step at `layer` (`ids`: its T rows): the token count (once per
-        token, at the first layer that routes) and the caches derived from the counts."""
+        token, at the first layer that routes) and the caches derived from the counts. Whoever updates the
+        counts through `compiled_tables()` (here `observe_lists`, or the expert runtime's one-call decode step)
+        calls this once per step and layer."""
         c = self._counts
         if self._layer_seen is None:  # only layers below `layer` matter here, which this step has not touched
             self._layer_seen = c.freq.any(1).tolist()
@@ -70,8 +73,7 @@ class FrequencyPredictor(ExpertPredictor):
     @property
     def counts(self) -> TransitionCounts:
         """The transition counts, with every observation so far applied."""
-        if self._pending_tokens or self._pending[0]:
-            self._flush()
+        self.flush()
         return self._counts
 
     @counts.setter
@@ -79,7 +81,10 @@ class FrequencyPredictor(ExpertPredictor):
         self._pending, self._pending_tokens, self._py, self._layer_seen = ([], [], []), 0, {}, None
         self._counts = c
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Apply the increments `observe_lists` queued to the count tensors (a no-op when none are queued)."""
+        if not (self._pending_tokens or self._pending[0]):
+            return
         c, (fi, ii, ti) = self._counts, self._pending
         for t, idx in ((c.freq, fi), (c.inter, ii), (c.intra, ti)):
             if idx:
@@ -90,6 +95,8 @@ class FrequencyPredictor(ExpertPredictor):
 
     def _counts_changed(self) -> None:
         """Hook: the tensors changed (subclasses drop tables derived from them)."""
+
+    _tables_c, _observed_c, _flush = compiled_tables, after_compiled_observe, flush  # TEMP: until store.py moves
 
     def _py_layer(self, layer: int) -> dict:
         """Python copy of one layer's counts: freq `[E]`, its sum, inter / intra `[E][E]` and row sums."""
@@ -124,8 +131,8 @@ class FrequencyPredictor(ExpertPredictor):
         """`TransitionCounts.observe` on Python lists: one compiled call on the count tensors where the CPU
         kernels run (`kernels.cpu.MarkovTables`), else the Python copy now and the tensors on `counts`."""
         _ = self.counts  # applies any queued increments first
-        if self._tables_c().observe(layer, ids, prev_layer, prev_tok):
-            self._observed_c(layer, ids)
+        if self.compiled_tables().observe(layer, ids, prev_layer, prev_tok):
+            self.after_compiled_observe(layer, ids)
             return
         E, d = self.num_experts, self._py_layer(layer)
         fi, ii, ti = self._pending
@@ -263,17 +270,18 @@ class MarkovPredictor(FrequencyPredictor):
             out.append(s)
         return out
 
-    def _weights_list(self, layer: int) -> list[float]:
+    def weights_list(self, layer: int) -> list[float]:
         """`weights[layer]` as floats (cached; rebuilt if `weights` is replaced)."""
         if getattr(self, "_wl", (None,))[0] is not self.weights:
             self._wl = (self.weights, self.weights.tolist())
         return self._wl[1][layer]
 
+    _weights_list = weights_list  # TEMP: until store.py moves
+
     def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
-        w = self._weights_list(layer)
-        if self._pending_tokens or self._pending[0]:
-            self._flush()
-        p = self._tables_c().probs(layer, self.alpha, w, prev_layer, prev_tok, num_tokens)
+        w = self.weights_list(layer)
+        self.flush()
+        p = self.compiled_tables().probs(layer, self.alpha, w, prev_layer, prev_tok, num_tokens)
         if p is not None:  # the compiled path (same formula)
             return p
         return [_softmax(r) for r in self._logits_lists(layer, prev_layer, prev_tok, num_tokens, w)]
@@ -281,7 +289,3 @@ class MarkovPredictor(FrequencyPredictor):
     def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
         super().observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
         self._version[layer] += 1
-
-    def probabilities(self, *a) -> torch.Tensor:
-        """`scores` (already a distribution over E per token)."""
-        return self.scores(*a)
