@@ -96,8 +96,6 @@ class FrequencyPredictor(ExpertPredictor):
     def _counts_changed(self) -> None:
         """Hook: the tensors changed (subclasses drop tables derived from them)."""
 
-    _tables_c, _observed_c, _flush = compiled_tables, after_compiled_observe, flush  # TEMP: until store.py moves
-
     def _py_layer(self, layer: int) -> dict:
         """Python copy of one layer's counts: freq `[E]`, its sum, inter / intra `[E][E]` and row sums."""
         d = self._py.get(layer)
@@ -275,8 +273,6 @@ class MarkovPredictor(FrequencyPredictor):
         if getattr(self, "_wl", (None,))[0] is not self.weights:
             self._wl = (self.weights, self.weights.tolist())
         return self._wl[1][layer]
-
-    _weights_list = weights_list  # TEMP: until store.py moves
 
     def scores_lists(self, layer, prev_layer, prev_tok, hidden_TD, num_tokens):
         w = self.weights_list(layer)
