@@ -50,13 +50,9 @@ from actors.experts.store import (
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import SamplingParams
 from cluster.config import DEFAULT_MODEL
-from actors.prefetch.predictors import (
-    DEFAULT_PREDICTOR,
-    TRANSITIONS_FILE,
-    TransitionCounts,
-    make_predictor,
-    prequential_eval,
-)
+from actors.prefetch.predictors import DEFAULT_PREDICTOR, make_predictor
+from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
+from router_service.routing.prequential import prequential_eval
 from actors.moe.stats import thrashing
 
 HELDOUT_PROSE = ("tempest_gut.txt", "tempest_gut_f.txt")

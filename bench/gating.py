@@ -40,8 +40,12 @@ from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import decode_tpot, held_out_sequences
-from actors.moe.gating import POLICIES, GatingConfig, GatingRouter
-from actors.prefetch.predictors import DEFAULT_PREDICTOR, TRANSITIONS_FILE, RoutingTrace, TransitionCounts, make_predictor, prequential_eval
+from actors.moe.gating import POLICIES, GatingConfig
+from actors.moe.gating_router import GatingRouter
+from actors.prefetch.fitting import RoutingTrace
+from actors.prefetch.predictors import DEFAULT_PREDICTOR, make_predictor
+from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
+from router_service.routing.prequential import prequential_eval
 
 WINDOW = 4096
 

@@ -44,7 +44,8 @@ from actors.engine.engine import EngineConfig, RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import held_out_sequences
 from gating import new_router, run_policy, thrash
-from actors.moe.gating import GatingConfig, GatingRouter, Routing, _renorm
+from actors.moe.gating import GatingConfig, Routing
+from actors.moe.gating_router import GatingRouter, _renorm
 from kernels.gating import sanitize_router_logits
 
 # (family, setting) grid; --quick keeps the settings nearest each family's +1% point

@@ -84,7 +84,7 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     from actors.moe.dispatch import ExpertPlacement
     from actors.engine.engine import EngineConfig, RankEngine
     from actors.experts.store import calibrate
-    from actors.prefetch.predictors import TRANSITIONS_FILE
+    from actors.prefetch.transitions import TRANSITIONS_FILE
 
     mc = ModelConfig.from_pretrained(model)
     chunks = calibration_chunks(model, texts, max_tokens, min(chunk, mc.max_position_embeddings))

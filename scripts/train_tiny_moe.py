@@ -214,10 +214,10 @@ def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Ten
 
 def sticky_ids(probs_BLE: torch.Tensor, ids_BLK: torch.Tensor, margin: float) -> torch.Tensor:
     """The expert sets the serving `sticky` policy picks, token by token along each sequence, the previous
-    token's final set carrying over: the serving rule itself (actors.moe.gating._stick_rows,
+    token's final set carrying over: the serving rule itself (actors.moe.gating_router._stick_rows,
     on Python lists: ~100x faster than tensor ops on [B, E] rows for this sequential loop).
     probs [B, L, E] float32, ids [B, L, K] int64 (exact top-k) -> [B, L, K] int64."""
-    from actors.moe.gating import _stick_rows
+    from actors.moe.gating_router import _stick_rows
 
     P, out = probs_BLE.tolist(), ids_BLK.tolist()
     for t in range(1, len(out[0]) if out else 0):  # updates each row's token-t set in place

@@ -9,7 +9,7 @@ import pytest
 
 from actors.experts.checkpoint import is_packed_checkpoint, packed_layer_names, read_quant_config
 from moeray.cli import main
-from actors.prefetch.predictors import TRANSITIONS_FILE
+from actors.prefetch.transitions import TRANSITIONS_FILE
 from tests.bench_runner import run_bench_result
 
 

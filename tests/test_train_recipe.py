@@ -11,7 +11,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
 
 import train_tiny_moe as T  # noqa: E402
-from actors.moe.gating import GatingBatch, GatingConfig, GatingRouter, _stick  # noqa: E402
+from actors.moe.gating import GatingBatch, GatingConfig  # noqa: E402
+from actors.moe.gating_router import GatingRouter, _stick  # noqa: E402
 
 
 def test_sticky_ids_equal_the_serving_rule_token_by_token():

@@ -27,7 +27,8 @@ from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.engine.scheduler import Scheduler, Sequence
 from actors.model.weights import load_rank_weights
 from kernels.cpu import cpu_kernels_available
-from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
+from actors.moe.gating import POLICIES, GatingBatch, GatingConfig
+from actors.moe.gating_router import GatingRouter
 
 # engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
 BIAS_SYNC_STEPS = 16

@@ -34,7 +34,7 @@ from actors.model.config import ModelConfig
 from actors.model.weights import CheckpointReader, _moe_prefix, load_expert_weights
 from kernels.packed_format import PackedExperts, PackedWeight, words_per_row
 from kernels.packed_quantize import quantize
-from actors.prefetch.predictors import TRANSITIONS_FILE
+from actors.prefetch.transitions import TRANSITIONS_FILE
 
 QUANT_CONFIG = "quantization_config.json"
 FORMAT = "moeray-packed"

@@ -68,19 +68,10 @@ from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_format import PackedExperts
 from kernels.packed_quantize import quantize
 from actors.moe.gating import POLICIES, GatingBatch
-from actors.prefetch.predictors import (
-    DEFAULT_PREDICTOR,
-    PREDICTORS,
-    TRANSITIONS_FILE,
-    ExpertPredictor,
-    MarkovPredictor,
-    RoutingTrace,
-    TransitionCounts,
-    fit_lookahead_gates,
-    fit_loglinear,
-    keep_previous_first,
-    make_predictor,
-)
+from actors.prefetch.base import ExpertPredictor
+from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from actors.prefetch.predictors import DEFAULT_PREDICTOR, PREDICTORS, keep_previous_first, make_predictor
+from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
 from actors.moe.stats import RoutingStats, jaccard_distance
 
 log = logging.getLogger("moeray.experts")
@@ -1001,15 +992,14 @@ class ExpertRuntime:
         if pred.name not in ("markov", "hybrid") or ids_TK.dtype != torch.int64 or ids_TK.device.type != "cpu":
             return False
         m = getattr(pred, "markov", pred)
-        if m._pending_tokens or m._pending[0]:
-            m._flush()
-        tabs = m._tables_c()
+        m.flush()
+        tabs = m.compiled_tables()
         if not tabs.ok:
             return False
         nl = self.next_moe.get(l) if self.prefetching else None
         look = None
         if nl is not None and pred.name == "hybrid" and h_TD is not None:
-            look = pred.lookahead._compiled.ptrs(nl)
+            look = pred.lookahead.compiled_gate(nl)
             if look is None or h_TD.dtype != torch.float32 or h_TD.device.type != "cpu" or h_TD.stride(-1) != 1:
                 return False
         ids_TK = ids_TK.contiguous()  # read through its pointer here and, as the previous layer's, at the next
@@ -1018,7 +1008,7 @@ class ExpertRuntime:
         p_prev = self._pred.pop(l, None)
         next_prev = None if nl is None else self._prev_tok_lists(nl, None)
         res = prefetch_step(tabs, l, ids_TK, p_prev, self._ids_t.get(self.prev_moe.get(l)), prev_tok,
-                            nl, m.alpha, MarkovPredictor._weights_list(pred, nl) if nl is not None else None,
+                            nl, m.alpha, pred.weights_list(nl) if nl is not None else None,
                             next_prev, h_TD, look,
                             pred.lookahead.norm_eps if look is not None else 0.0, self.budget)
         if res is None:
@@ -1034,7 +1024,7 @@ class ExpertRuntime:
             c["pred_tokens"] += st[3]
         c["thrash_sum"] += st[4]
         c["thrash_n"] += st[5]
-        m._observed_c(l, ids)
+        m.after_compiled_observe(l, ids)
         self._ids[l], self._ids_t[l] = ids, ids_TK
         self._last[l] = {k: ids[t] for t, k in enumerate(self._key) if k >= 0}
         if nxt is not None:

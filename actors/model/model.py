@@ -23,7 +23,8 @@ from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.cpu import linear
 from kernels.gating import topk_softmax_ref
-from actors.moe.gating import GatingBatch, GatingRouter
+from actors.moe.gating import GatingBatch
+from actors.moe.gating_router import GatingRouter
 
 
 class MoEModel:
@@ -34,7 +35,7 @@ class MoEModel:
         dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
         max_positions: RoPE table length (default: the config's max_position_embeddings).
 
-    Routing: `gating_router` (a `actors.moe.gating.GatingRouter`, set by the engine) picks the
+    Routing: `gating_router` (a `actors.moe.gating_router.GatingRouter`, set by the engine) picks the
     experts when `forward` gets a `GatingBatch`; otherwise the model's own top-k routing (`exact`) runs.
     """
 

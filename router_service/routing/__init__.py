@@ -1,1 +1,1 @@
-"""Offline routing work: fitting expert predictors (log-linear, lookahead, prequential), calibration, aggregation."""
+"""Offline routing work, never on the serving path: prequential evaluation of the expert predictors."""

@@ -24,7 +24,7 @@ from actors.experts.checkpoint import load_packed_experts, read_quant_config, wr
 from actors.engine.sampling import SamplingParams
 from kernels import tuning
 from kernels.packed_weights import dequantize
-from actors.prefetch.predictors import TRANSITIONS_FILE
+from actors.prefetch.transitions import TRANSITIONS_FILE
 from actors.moe.stats import RoutingStats
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [99, 3, 250]]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels.gating import topk_softmax_ref
-from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, GatingRouter
+from actors.moe.gating import POLICIES, GatingBatch, GatingConfig
+from actors.moe.gating_router import GatingRouter
 
 E, K, D = 8, 2, 16
 
@@ -177,7 +178,7 @@ def test_config_errors_name_the_field():
 def test_sticky_list_path_equals_tensor_rule_with_ties_and_missing_previous():
     """The decode path's `_stick_lists` and the prefill path's `_stick` pick the same ids in the same order,
     including all-tie rows (uniform scores) and rows without a previous token (-1)."""
-    from actors.moe.gating import _stick, _stick_lists
+    from actors.moe.gating_router import _stick, _stick_lists
 
     g = torch.Generator().manual_seed(5)
     for trial in range(300):

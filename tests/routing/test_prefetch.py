@@ -8,20 +8,12 @@ import pytest
 import torch
 
 from actors.moe import stats
-from actors.prefetch.predictors import (
-    DEFAULT_WEIGHTS,
-    PREDICTORS,
-    ExpertPredictor,
-    FrequencyPredictor,
-    MarkovPredictor,
-    RoutingTrace,
-    TransitionCounts,
-    fit_lookahead_gates,
-    keep_previous_first,
-    fit_loglinear,
-    make_predictor,
-    prequential_eval,
-)
+from actors.prefetch.base import DEFAULT_WEIGHTS, ExpertPredictor
+from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from actors.prefetch.markov import FrequencyPredictor, MarkovPredictor
+from actors.prefetch.predictors import PREDICTORS, keep_previous_first, make_predictor
+from actors.prefetch.transitions import TransitionCounts
+from router_service.routing.prequential import prequential_eval
 
 E, K, L = 8, 2, 3
 

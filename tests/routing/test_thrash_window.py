@@ -7,7 +7,8 @@ import random
 
 import torch
 
-from actors.moe.gating import GatingBatch, GatingConfig, GatingRouter
+from actors.moe.gating import GatingBatch, GatingConfig
+from actors.moe.gating_router import GatingRouter
 
 E, K, L, D = 8, 2, 3, 4
 

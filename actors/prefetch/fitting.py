@@ -1,0 +1,141 @@
+"""Fitting the expert predictors on calibration traces: the lookahead pre-gates and the log-linear weights.
+
+Offline work (a calibration run, `actors.experts.store.calibrate`), kept in actors/ because that run is: a
+trace is recorded by running the model (`RoutingTrace`), then fitted here, and the results are saved with
+the transition counts (`TransitionCounts.lookahead_gates`, `TransitionCounts.weights`).
+
+Shape legend: T = tokens, L = layers, K = experts per token, E = routed experts, D = hidden, F = features.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from actors.moe.stats import multi_hot
+from actors.prefetch.base import DEFAULT_WEIGHTS
+from actors.prefetch.lookahead import LookaheadPredictor
+from actors.prefetch.markov import MarkovPredictor
+
+
+@dataclass(kw_only=True, slots=True)
+class RoutingTrace:
+    """The routing of one sequence through every layer (recorded by running the model).
+
+    ids: `[T, L, K]` int64 expert ids (-1 at dense layers). hidden: `[T, L, D]` float residual stream entering
+    each layer's FFN, or None (then lookahead predictors see no hidden state).
+    """
+
+    ids: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+LOOKAHEAD_RIDGE = 10.0  # ridge of `fit_lookahead_gates`; on tiny-moe held-out recall is flat over 1-100
+
+
+def fit_lookahead_gates(traces: list[RoutingTrace], gate_weights: list, norm_weights: list | None = None,
+                        norm_eps: float = 1e-6, *, ridge: float = LOOKAHEAD_RIDGE) -> dict[int, torch.Tensor]:
+    """Fit, per MoE layer l after the first, a linear pre-gate G_l `[E, D]` that maps the hidden state the
+    lookahead sees (the residual entering the previous MoE layer's FFN) to layer l's router log-probabilities:
+
+        G_l = argmin_G sum_t || x_t G^T - log softmax(gate_l(n_l(h_t^l))) ||^2 + ridge * ||G||^2,
+        x_t = n_l(h_t^(l_prev)),  n_l = RMSNorm with layer l's post-attention norm weight,
+
+    solved in closed form (ridge regression). The raw lookahead uses G_l = gate_l, which ignores what layer
+    l_prev's FFN and layer l's attention add to the residual; the fit learns that map on calibration text (the
+    pre-gate of Pre-gated MoE, Hwang et al. 2024, arXiv 2308.12066, fitted here without training the model).
+    Measured on tiny-moe (bench/experts.py): see BENCHMARKS.md, issue 4.
+
+    Args:
+        traces: calibration sequences with hidden states (`RoutingTrace.hidden` `[T, L, D]`), training text only.
+        gate_weights: per layer `[E, D]` router weights (None for dense layers). norm_weights: per layer `[D]`
+            post-attention RMSNorm weights (None: none). ridge: L2 penalty (>= 0).
+    Returns:
+        {layer: `[E, D]` float32} for every MoE layer with a previous MoE layer ({} without hidden states).
+    Raises:
+        ValueError: ridge < 0.
+    """
+    if ridge < 0:
+        raise ValueError(f"ridge={ridge} must be >= 0")
+    L = len(gate_weights)
+    norms = list(norm_weights or [None] * L)
+
+    def rms(h: torch.Tensor, l: int) -> torch.Tensor:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm_eps)
+        return h * norms[l].float() if norms[l] is not None else h
+
+    moe = [l for l in range(L) if gate_weights[l] is not None]
+    xtx: dict[int, torch.Tensor] = {}
+    xty: dict[int, torch.Tensor] = {}
+    for tr in traces:
+        if tr.hidden is None:
+            continue
+        for pl, l in zip(moe, moe[1:]):
+            x = rms(tr.hidden[:, pl].double(), l)
+            y = torch.log_softmax(rms(tr.hidden[:, l].double(), l) @ gate_weights[l].double().T, dim=-1)
+            xtx[l] = xtx.get(l, 0) + x.T @ x
+            xty[l] = xty.get(l, 0) + x.T @ y
+    out = {}
+    for l, a in xtx.items():
+        eye = torch.eye(a.shape[0], dtype=a.dtype)
+        out[l] = torch.linalg.solve(a + ridge * eye, xty[l]).T.float().contiguous()
+    return out
+
+
+def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int, top_k: int, *,
+                  lookahead: LookaheadPredictor | None = None, alpha: float = 0.5, steps: int = 200) -> dict:
+    """Fit the per-layer log-linear weights of `MarkovPredictor` and `HybridPredictor` on calibration traces.
+
+    Features are computed block-prequentially: each sequence is scored with the counts of the sequences before
+    it only (starting from zero counts), so a token never informs its own prediction and the fit sees the
+    counts as sparse as they are early in serving. Then per layer the weights minimise a pairwise ranking
+    loss, mean softplus(score(unused) - score(used)) (full-batch Adam, `steps` steps, from the defaults).
+
+    Args:
+        traces: calibration sequences (training text, never the evaluation text); hidden states are needed for
+            the hybrid's lookahead term (without them, or without `lookahead`, only "markov" is fitted).
+    Returns:
+        {"markov": `[L][2]` floats, "hybrid": `[L][3]` floats (when fitted)}; dense layers keep the defaults.
+    """
+    m = MarkovPredictor(num_layers, num_experts, top_k, alpha=alpha, prior_tokens=None)
+    feats: dict[int, list] = {}  # layer -> [(logf [E], g [T, F, E], multi-hot truth [T, E])]
+    for tr in traces:
+        moe = [l for l in range(num_layers) if bool((tr.ids[:, l] >= 0).any())]
+        T = tr.ids.shape[0]
+        for i, l in enumerate(moe[1:], 1):
+            pl = moe[i - 1]
+            prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
+            logf, g = m.features(l, tr.ids[:, pl], prev_tok, T)
+            cols = [g[0], g[1]]
+            if lookahead is not None and tr.hidden is not None and lookahead.gate[l] is not None:
+                cols.append(lookahead.log_probs(l, tr.hidden[:, pl]))
+            feats.setdefault(l, []).append((logf, torch.stack(cols, 1), multi_hot(tr.ids[:, l], num_experts).float()))
+        for i, l in enumerate(moe):
+            prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
+            m.observe(l, tr.ids[:, l], tr.ids[:, moe[i - 1]] if i else None, prev_tok)
+    out = {"markov": [list(DEFAULT_WEIGHTS["markov"]) for _ in range(num_layers)]}
+    hybrid = all(f[1].shape[1] == 3 for v in feats.values() for f in v) and bool(feats)
+    if hybrid:
+        out["hybrid"] = [list(DEFAULT_WEIGHTS["hybrid"]) for _ in range(num_layers)]
+    for l, rows in feats.items():
+        logf = torch.cat([r[0].expand(r[1].shape[0], -1) for r in rows])  # [N, E]
+        g = torch.cat([r[1] for r in rows])  # [N, F, E]
+        y = torch.cat([r[2] for r in rows])  # [N, E]
+        for name, nf in (("markov", 2), ("hybrid", 3)):
+            if name not in out:
+                continue
+            w = torch.tensor(DEFAULT_WEIGHTS[name], requires_grad=True)
+            opt = torch.optim.Adam([w], lr=0.05)
+            for _ in range(steps):
+                opt.zero_grad()
+                s = logf + torch.einsum("f,nfe->ne", w, g[:, :nf])
+                # Pairwise ranking loss (used expert above unused one): prefetch keeps the top k + 1, so the
+                # ranking matters, not calibrated probabilities (a likelihood fit damps the sharp lookahead).
+                margin = s.unsqueeze(2) - s.unsqueeze(1)  # [N, E, E]: s(used) - s(other)
+                pairs = y.unsqueeze(2) * (1 - y).unsqueeze(1)
+                loss = (F.softplus(-margin) * pairs).sum() / pairs.sum()
+                loss.backward()
+                opt.step()
+            out[name][l] = [round(float(x), 4) for x in w.detach()]
+    return out
