@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from actors.experts.store import ColdExpertTier, ExpertCache
+from actors.experts.cache import ExpertCache
+from actors.experts.cold_tier import ColdExpertTier
 
 E = 6
 
