@@ -1,30 +1,76 @@
-"""The dequantized expert cache of one layer (`ExpertCache`) and the eviction choice it shares with the cold tier.
+"""The dequantized expert cache of one layer (`ExpertCache`) and the eviction bookkeeping (`EvictionClock`) that
+it and the cold tier (`cold_tier.ColdExpertTier`) both use.
 
 Shape legend: D = hidden, I = expert intermediate, E_loc = this rank's experts of a layer.
 
 Eviction policies (EVICTION_POLICIES), the same for `ExpertCache` and `cold_tier.ColdExpertTier`: `lru` least
 recently used; `lfu` least frequently used (ties: LRU); `predicted` the lowest score of the latest prediction
 for the layer (ties: LRU). Under `predicted` a speculative (prefetch) fill must outscore the expert it evicts.
+Each cache and each tier owns one clock: a use is counted where it happened (a cache lookup, a tier demand).
 """
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 EVICTION_POLICIES = ("lru", "lfu", "predicted")
 
 
-def _pick_victim(policy: str, cands: list[int], last: list[int], uses: list[int], score: list[float]) -> int | None:
-    """The candidate to evict under `policy` (lru / lfu / predicted, ties broken by LRU); None if no candidate."""
-    if not cands:
-        return None
-    if policy == "lru":
-        return min(cands, key=lambda e: last[e])
-    if policy == "lfu":
-        return min(cands, key=lambda e: (uses[e], last[e]))
-    return min(cands, key=lambda e: (score[e], last[e]))
+class EvictionClock:
+    """The eviction bookkeeping of one layer's E_loc experts, one per `ExpertCache` and per `ColdExpertTier`:
+    a tick per use, each expert's last use and use count, the latest predicted scores, and the victim choice.
+
+    Not locked: its owner calls it under its own lock, except `set_scores` (one reference swap: readers see the
+    old list or the new one). Candidates are passed in the owner's order, which breaks the remaining ties.
+    Raises:
+        ValueError: unknown policy.
+    """
+
+    def __init__(self, num_experts: int, policy: str):
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy={policy!r} must be one of {EVICTION_POLICIES}")
+        self.policy = policy
+        self.last = [0] * num_experts
+        self.uses = [0] * num_experts
+        self.score = [0.0] * num_experts
+        self.tick = 0
+
+    def touch(self, used: Iterable[int]) -> None:
+        """Advance one tick and mark each of `used` as used at it (a use count per occurrence)."""
+        self.tick += 1
+        for e in used:
+            self.last[e] = self.tick
+            self.uses[e] += 1
+
+    def refresh(self, e: int) -> None:
+        """Count `e` as recent at the current tick, without a use (a freshly read expert is not the next LRU
+        victim)."""
+        self.last[e] = max(self.last[e], self.tick)
+
+    def set_scores(self, scores: list[float]) -> None:
+        """Latest predicted usefulness of each local expert (E_loc floats; for the `predicted` policy)."""
+        self.score = scores
+
+    def victim(self, cands: list[int]) -> int | None:
+        """The candidate to evict under the policy (ties broken by LRU, then candidate order); None if none."""
+        if not cands:
+            return None
+        last, uses, score = self.last, self.uses, self.score
+        if self.policy == "lru":
+            return min(cands, key=lambda e: last[e])
+        if self.policy == "lfu":
+            return min(cands, key=lambda e: (uses[e], last[e]))
+        return min(cands, key=lambda e: (score[e], last[e]))
+
+    def victim_for(self, e: int, cands: list[int], speculative: bool) -> int | None:
+        """The victim that makes room for `e`; None if there is no candidate or, for a speculative (prefetch)
+        fill under `predicted`, `e` does not score higher than the victim."""
+        v = self.victim(cands)
+        if v is None or (speculative and self.policy == "predicted" and self.score[e] <= self.score[v]):
+            return None
+        return v
 
 
 class ExpertCache:
@@ -46,14 +92,9 @@ class ExpertCache:
     def __init__(self, capacity: int, num_experts: int, policy: str, loader: Callable[[int], tuple]):
         if capacity < 0:
             raise ValueError(f"expert cache capacity={capacity} must be >= 0")
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy={policy!r} must be one of {EVICTION_POLICIES}")
+        self._clock = EvictionClock(num_experts, policy)
         self.capacity, self.num_experts, self.policy, self.loader = capacity, num_experts, policy, loader
         self._ready: dict[int, tuple] = {}
-        self._last = [0] * num_experts
-        self._uses = [0] * num_experts
-        self._score = [0.0] * num_experts
-        self._tick = 0
         self._lock = threading.Lock()
 
     def __contains__(self, e: int) -> bool:
@@ -67,15 +108,12 @@ class ExpertCache:
     def lookup(self, used: list[int]) -> dict[int, tuple]:
         """Mark `used` as used now; return the ready entries among them (the others are misses)."""
         with self._lock:
-            self._tick += 1
-            for e in used:
-                self._last[e] = self._tick
-                self._uses[e] += 1
+            self._clock.touch(used)
             return {e: self._ready[e] for e in used if e in self._ready}
 
     def set_scores(self, scores: list[float]) -> None:
         """Latest predicted usefulness of each local expert (E_loc floats; for the `predicted` policy)."""
-        self._score = scores  # one reference swap: readers see the old list or the new one
+        self._clock.set_scores(scores)
 
     @property
     def resident_bytes(self) -> int:
@@ -96,16 +134,16 @@ class ExpertCache:
             self._ready[e] = w
             return True
 
+    def _cands(self, exclude: set[int]) -> list[int]:
+        return [e for e in self._ready if e not in exclude]
+
     def _victim(self, exclude: set[int]) -> int | None:
-        return _pick_victim(self.policy, [e for e in self._ready if e not in exclude], self._last, self._uses,
-                            self._score)
+        return self._clock.victim(self._cands(exclude))
 
     def _admit(self, e: int, protect: set[int], speculative: bool) -> bool:
         if len(self._ready) < self.capacity:
             return True
-        v = self._victim(protect | {e})
-        # A speculative (prefetch) fill under the `predicted` policy must be more useful than what it evicts.
-        return v is not None and not (speculative and self.policy == "predicted" and self._score[e] <= self._score[v])
+        return self._clock.victim_for(e, self._cands(protect | {e}), speculative) is not None
 
     def fill(self, e: int, protect: set[int] = frozenset(), speculative: bool = False) -> bool:
         """Make expert `e` ready, evicting one not in `protect` if full. Returns True if it was loaded now.

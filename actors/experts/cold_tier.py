@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from actors.experts.cache import EVICTION_POLICIES, _pick_victim
+from actors.experts.cache import EvictionClock
 from actors.experts.checkpoint import PackedExpertReader
 from kernels.packed_weights import PackedExperts
 
@@ -62,8 +62,7 @@ class ColdExpertTier:
         if capacity < 1:
             raise ValueError(f"resident_experts: layer {layer} would keep capacity={capacity} packed experts; "
                              "must be >= 1")
-        if policy not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy={policy!r} must be one of {EVICTION_POLICIES}")
+        self._clock = EvictionClock(len(local), policy)
         self.layer, self.local, self.reader, self.policy = layer, list(local), reader, policy
         self.device = torch.device(device)
         self.num_experts = len(self.local)
@@ -78,10 +77,6 @@ class ColdExpertTier:
         # CUDA: an event per slot recorded after the last kernels that read it were queued; a read into the slot
         # waits for it, because pins drop when the kernels are queued, not when they finish.
         self._read_done: list = [None] * self.capacity
-        self._last = [0] * self.num_experts
-        self._uses = [0] * self.num_experts
-        self._score = [0.0] * self.num_experts
-        self._tick = 0
         self._lock = threading.Lock()
         self.counters = dict.fromkeys(("hits", "misses", "waits", "prefetch_reads", "transient_reads", "evictions",
                                        "bytes_read"), 0)
@@ -102,7 +97,7 @@ class ColdExpertTier:
 
     def set_scores(self, scores: list[float]) -> None:
         """Latest predicted usefulness of each local expert (E_loc floats; for the `predicted` policy)."""
-        self._score = scores  # one reference swap: readers see the old list or the new one
+        self._clock.set_scores(scores)
 
     def _take_slot(self, e: int, exclude: set[int], speculative: bool) -> int | None:
         """A slot for `e` (under the lock): a free one, else the policy's victim among unpinned slots whose
@@ -111,8 +106,8 @@ class ColdExpertTier:
         if -1 in self._owner:
             return self._owner.index(-1)
         cands = [o for s, o in enumerate(self._owner) if self._pins[s] == 0 and o not in exclude and o in self._slot]
-        v = _pick_victim(self.policy, cands, self._last, self._uses, self._score)
-        if v is None or (speculative and self.policy == "predicted" and self._score[e] <= self._score[v]):
+        v = self._clock.victim_for(e, cands, speculative)
+        if v is None:
             return None
         s = self._slot.pop(v)
         self.counters["evictions"] += 1
@@ -130,11 +125,7 @@ class ColdExpertTier:
         reads: list[tuple[int, int, threading.Event]] = []
         waits: list[tuple[int, threading.Event]] = []
         with self._lock:
-            self._tick += 1
-            if demand:
-                for e in experts:
-                    self._last[e] = self._tick
-                    self._uses[e] += 1
+            self._clock.touch(experts if demand else ())
             for e in experts:
                 if e in self._slot:
                     s = got[e] = self._slot[e]
@@ -165,7 +156,7 @@ class ColdExpertTier:
             with self._lock:
                 self._slot[e] = got[e] = s
                 self._loading.pop(e, None)
-                self._last[e] = max(self._last[e], self._tick)
+                self._clock.refresh(e)
                 self.counters["misses" if demand else "prefetch_reads"] += 1
                 self.counters["bytes_read"] += n
             ev.set()
