@@ -13,7 +13,7 @@ from actors.experts.checkpoint import (
     load_packed_experts,
     read_quant_config,
 )
-from actors.experts.packed import fused_path_runs
+from actors.experts.ops import fused_path_runs
 from actors.experts.runtime import ExpertRuntime, local_share
 from actors.model.config import ModelConfig
 from actors.prefetch.predictors import (

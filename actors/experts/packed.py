@@ -20,60 +20,20 @@ to fp32 rounding (the tests check relative error < 1e-5 and identical greedy tok
 """
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from actors.experts.cache import ExpertCache
 from actors.experts.cold_tier import ColdExpertTier
+from actors.experts.ops import fused_path_runs, kernel_ops
 from actors.experts.worker import PrefetchWorker
 from actors.moe.stats import RoutingStats
 from kernels import tuning
-from kernels.cpu import PackedFFNArgs, cpu_kernels_available, swiglu_f32
+from kernels.cpu import PackedFFNArgs, swiglu_f32
 from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts
-
-
-# The Triton interpreter patches `triton.language` globally while a kernel runs, so two threads must not
-# interpret kernels at once (the prefetch worker's dequantize would break the forward's GEMM).
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _serialized(fn: Callable) -> Callable:
-    def run(*a, **kw):
-        with _INTERPRETER_LOCK:
-            return fn(*a, **kw)
-
-    return run
-
-
-def _kernel_ops(backend: str):
-    """(packed_expert_ffn, dequantize) of the backend: "torch" (reference) or "triton"."""
-    if backend == "torch":
-        from kernels import packed_weights as k
-    elif backend == "triton":
-        from kernels import packed_weights_triton as k
-
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
-            return _serialized(k.packed_expert_ffn), _serialized(k.dequantize)
-    else:
-        raise ValueError(f"kernel_backend={backend!r} must be torch or triton")
-    return k.packed_expert_ffn, k.dequantize
-
-
-def fused_path_runs(device: torch.device | str, backend: str, dtype: torch.dtype) -> bool:
-    """True where a decode-sized miss runs the compiled fused kernel on the packed bytes
-    (`kernels.cpu.packed_expert_ffn`: CPU, the torch backend, fp32 activations, kernels built).
-
-    There the dequantized expert cache does not pay, so `expert_cache_capacity` defaults to 0: the fused kernel
-    reads ~4.5 bits per weight (4-bit, group 64) and unpacks in registers, while a cached fp32 copy is 32 bits per
-    weight to read (the measurements: BENCHMARKS.md, `bench/experts.py`).
-    """
-    return (torch.device(device).type == "cpu" and backend == "torch" and dtype == torch.float32
-            and cpu_kernels_available())
 
 
 class PackedLayerExperts:
@@ -83,6 +43,10 @@ class PackedLayerExperts:
     slot stack: the expert's packed bytes are pinned there, read from the memory-mapped checkpoint first when
     not resident (a cold miss must read them once; the layer reads them itself rather than queueing a load).
     When a step needs more experts than the tier has unpinned slots, they run in rounds of as many as fit.
+
+    Miss paths, one chosen per layer when it is built: the cold tier's slots (`_misses_cold`); the compiled CPU
+    kernel (`_misses_compiled`, up to `tuning.MAX_KERNEL_ROWS` missed rows a call, else inline); the reference
+    dequantize-and-offer (`_misses_inline`, torch backend); the backend's fused kernel (`_misses_kernel`).
 
     Args:
         layer: layer index. packed: PackedExperts with fused gate_up `(E_loc, 2I, D)` (None when E_loc = 0 or
@@ -104,7 +68,7 @@ class PackedLayerExperts:
         src = tier or packed
         self.num_local = 0 if src is None else src.num_experts
         self.intermediate = 0 if src is None else src.intermediate_size
-        self._ffn, self._deq = _kernel_ops(backend)
+        self._ffn, self._deq = kernel_ops(backend)
         # The reference miss path dequantizes the whole expert anyway: it computes on the dequantized pair and
         # hands it to the cache itself, so a demand fill costs nothing more (the worker would dequantize again).
         self.inline_fill = backend == "torch"
@@ -119,6 +83,22 @@ class PackedLayerExperts:
                 self._cffn = None
         self.cache = ExpertCache(min(capacity, self.num_local), self.num_local, policy, self._load)
         self.demand_fill = demand_fill
+        # The miss paths, chosen once from what is fixed here (tier, compiled kernel, backend): `_run_misses` for
+        # the general path (the compiled one still checks its row count per call), `_token_misses` for `run_token`.
+        if tier is not None:
+            self._run_misses = self._misses_cold
+        elif self._cffn is not None:
+            self._run_misses = self._misses_compiled
+        elif self.inline_fill:
+            self._run_misses = self._misses_inline
+        else:
+            self._run_misses = self._misses_kernel
+        if self._cffn is not None and tier is None:
+            self._token_misses = self._token_compiled
+        elif self.inline_fill and tier is None:
+            self._token_misses = self._token_inline
+        else:
+            self._token_misses = self._token_general
         self._lock = threading.Lock()
         self._pending: set[int] = set()
         self._prefetched: set[int] = set()  # filled by prefetch since this layer's last call
@@ -192,27 +172,33 @@ class PackedLayerExperts:
         ready = self._lookup(ids)
         if len(ready) == len(ids):
             return torch.cat([self._cached_ffn(x_1D, *ready[e]) for e in ids])
-        if self._cffn is not None and self.tier is None:
-            # CPU: the misses in one compiled call on their packed bytes (no weight materialised); fills go to the
-            # worker, as on a GPU
-            miss = [e for e in ids if e not in ready]
-            y_miss = packed_expert_ffn_cpu(x_1D, miss, self._cffn)
-            if y_miss is None:
-                return self._run(x_1D.expand(len(ids), -1).contiguous(), local_ids_K,
-                                 torch.bincount(local_ids_K, minlength=self.num_local), ids, ready)
-            if self.demand_fill and self.cache.capacity:
-                self.request(miss, protect=set(ids), prefetch=False)
-            if not ready:
-                return y_miss
-            it = iter(y_miss)
-            return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else next(it)[None] for e in ids])
-        if self.inline_fill and self.tier is None:
-            # Reference backend: a miss dequantizes its expert anyway, so each expert runs on its own dense pair
-            # (hit: cached; miss: dequantized now and offered to the cache), with no sort / bincount / scatter:
-            # the general path's bookkeeping cost ~0.4 ms per one-token call on CPU, half a dequantize.
-            protect = set(ids)
-            return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else self._miss_inline(x_1D, e, protect)
-                              for e in ids])
+        return self._token_misses(x_1D, local_ids_K, ids, ready)
+
+    def _token_compiled(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, ids: list[int],
+                        ready: dict[int, tuple]) -> torch.Tensor:
+        """CPU: the misses in one compiled call on their packed bytes (no weight materialised); fills go to the
+        worker, as on a GPU. The general path if the compiled kernels went away."""
+        miss = [e for e in ids if e not in ready]
+        y_miss = packed_expert_ffn_cpu(x_1D, miss, self._cffn)
+        if y_miss is None:
+            return self._token_general(x_1D, local_ids_K, ids, ready)
+        if self.demand_fill and self.cache.capacity:
+            self.request(miss, protect=set(ids), prefetch=False)
+        if not ready:
+            return y_miss
+        it = iter(y_miss)
+        return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else next(it)[None] for e in ids])
+
+    def _token_inline(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, ids: list[int],
+                      ready: dict[int, tuple]) -> torch.Tensor:
+        """Reference backend: a miss dequantizes its expert anyway, so each expert runs on its own dense pair
+        (hit: cached; miss: dequantized now and offered to the cache), with no sort / bincount / scatter."""
+        protect = set(ids)
+        return torch.cat([self._cached_ffn(x_1D, *ready[e]) if e in ready else self._miss_inline(x_1D, e, protect)
+                          for e in ids])
+
+    def _token_general(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, ids: list[int],
+                       ready: dict[int, tuple]) -> torch.Tensor:
         counts = torch.bincount(local_ids_K, minlength=self.num_local)
         return self._run(x_1D.expand(len(ids), -1).contiguous(), local_ids_K, counts, ids, ready)
 
@@ -257,35 +243,55 @@ class PackedLayerExperts:
         for e, (gu, dn) in ready.items():
             lo, hi = bounds[e], bounds[e + 1]
             ys[lo:hi] = self._cached_ffn(xs[lo:hi], gu, dn)
-        if misses and self.tier is not None:
-            self._cold_ffn(xs, ys, counts, bounds, misses)
-            if self.demand_fill and self.cache.capacity:
-                self.request(misses, protect=set(used), prefetch=False)
-        elif (misses and self._cffn is not None and self.tier is None
-              and sum(int(counts[e]) for e in misses) <= tuning.MAX_KERNEL_ROWS):
-            rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
-            ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
-                                             self._cffn)
-            if self.demand_fill and self.cache.capacity:
-                self.request(misses, protect=set(used), prefetch=False)
-        elif misses and self.inline_fill:
-            protect = set(used)
-            for e in misses:
-                lo, hi = bounds[e], bounds[e + 1]
-                ys[lo:hi] = self._miss_inline(xs[lo:hi], e, protect)
-        elif misses:
-            miss_counts = torch.zeros_like(counts)
-            miss_counts[misses] = counts[misses]
-            if len(misses) == len(used):
-                ys = self._ffn(xs, miss_counts, self.packed)
-            else:
-                rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses]).to(xs.device)
-                ys[rows] = self._ffn(xs[rows], miss_counts, self.packed)
-            if self.demand_fill and self.cache.capacity:
-                self.request(misses, protect=set(used), prefetch=False)
+        if misses:
+            ys = self._run_misses(xs, ys, counts, bounds, misses, used)
         y = torch.empty_like(x_RD)
         y[order] = ys
         return y
+
+    # The general path's miss paths: (xs [R, D] sorted by expert, ys [R, D] with the hits written, counts [E_loc],
+    # bounds, misses, used) -> ys with the misses' rows written too (in place, or a new tensor).
+    def _misses_cold(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
+                     misses: list[int], used: list[int]) -> torch.Tensor:
+        self._cold_ffn(xs, ys, counts, bounds, misses)
+        if self.demand_fill and self.cache.capacity:
+            self.request(misses, protect=set(used), prefetch=False)
+        return ys
+
+    def _misses_compiled(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
+                         misses: list[int], used: list[int]) -> torch.Tensor:
+        """The compiled fused kernel on the packed bytes up to `tuning.MAX_KERNEL_ROWS` missed rows; beyond, the
+        reference inline path (the compiled kernel runs only with the torch backend)."""
+        if sum(int(counts[e]) for e in misses) > tuning.MAX_KERNEL_ROWS:
+            return self._misses_inline(xs, ys, counts, bounds, misses, used)
+        rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses])
+        ys[rows] = packed_expert_ffn_cpu(xs[rows], [e for e in misses for _ in range(bounds[e + 1] - bounds[e])],
+                                         self._cffn)
+        if self.demand_fill and self.cache.capacity:
+            self.request(misses, protect=set(used), prefetch=False)
+        return ys
+
+    def _misses_inline(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
+                       misses: list[int], used: list[int]) -> torch.Tensor:
+        protect = set(used)
+        for e in misses:
+            lo, hi = bounds[e], bounds[e + 1]
+            ys[lo:hi] = self._miss_inline(xs[lo:hi], e, protect)
+        return ys
+
+    def _misses_kernel(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
+                       misses: list[int], used: list[int]) -> torch.Tensor:
+        """The backend's fused dequant kernel (`packed_expert_ffn`, Triton or the reference) on the packed stack."""
+        miss_counts = torch.zeros_like(counts)
+        miss_counts[misses] = counts[misses]
+        if len(misses) == len(used):
+            ys = self._ffn(xs, miss_counts, self.packed)
+        else:
+            rows = torch.cat([torch.arange(bounds[e], bounds[e + 1]) for e in misses]).to(xs.device)
+            ys[rows] = self._ffn(xs[rows], miss_counts, self.packed)
+        if self.demand_fill and self.cache.capacity:
+            self.request(misses, protect=set(used), prefetch=False)
+        return ys
 
     def _cold_ffn(self, xs: torch.Tensor, ys: torch.Tensor, counts: torch.Tensor, bounds: list[int],
                   misses: list[int]) -> None:
