@@ -8,7 +8,8 @@ Hooks (`ExpertRuntime.attach`): the model calls `on_hidden(l, h)` before each FF
 after each gate; the runtime learns the routing online (Markov counts), predicts the next MoE layer's experts
 (k + 1 per token, union over the batch), and submits their prefetch (`prediction.PredictionBookkeeping`). A
 wrapper around `model.forward` reads the step's `AttentionMetadata` to know which token follows which in a
-sequence (the first KV block of a sequence is its key while it runs).
+sequence (the first KV block of a sequence is its key while it runs). The hooks never wait for a fill: the
+bookkeeping runs on the forward thread, the fills on the worker (inline, deterministic, with async_prefetch=False).
 
 Sources: expert offloading with an LRU cache and lookahead prefetch (mixtral-offloading, arXiv 2312.17238);
 Markov / affinity-based prefetch (ProMoE arXiv 2410.22134, ExFlow arXiv 2401.08383).
