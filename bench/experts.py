@@ -11,8 +11,8 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
     at C = E, 0, E/2, E/4 cached per layer (C = 0, every expert from its packed bytes through the fused kernel, is
-    the CPU default: `actors.experts.store.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"`
-    (the default: `actors.experts.store.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
+    the CPU default: `actors.experts.ops.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"`
+    (the default: `actors.experts.build.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
     predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
     wasted prefetches and thrashing alongside.
 
@@ -41,12 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
-from actors.experts.store import (
-    build_runtime,
-    quantize_local_experts,
-    record_routing,
-    transitions_from_traces,
-)
+from actors.experts.build import build_runtime, quantize_local_experts
+from actors.experts.calibration import record_routing, transitions_from_traces
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import SamplingParams
 from cluster.config import DEFAULT_MODEL

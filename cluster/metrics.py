@@ -47,7 +47,7 @@ ROUTING_KEYS = ("thrash", "hit_rate", "recall")
 
 def _rank_routing(r: dict, L: int) -> dict[str, list[float]]:
     """One rank's routing metrics as per-layer lists: `stats()["routing"]` keys first, then hit_rate / recall
-    from `stats()["expert_cache"]` (`actors.experts.store.ExpertRuntime.summary()`: {"layers": {l: {...}}})
+    from `stats()["expert_cache"]` (`actors.experts.runtime.ExpertRuntime.summary()`: {"layers": {l: {...}}})
     where `routing` does not carry them."""
     out = {}
     routing = r.get("routing") or {}

@@ -83,7 +83,7 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     from actors.model.config import ModelConfig
     from actors.moe.dispatch import ExpertPlacement
     from actors.engine.engine import EngineConfig, RankEngine
-    from actors.experts.store import calibrate
+    from actors.experts.calibration import calibrate
     from actors.prefetch.transitions import TRANSITIONS_FILE
 
     mc = ModelConfig.from_pretrained(model)

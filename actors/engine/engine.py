@@ -66,7 +66,7 @@ class EngineConfig:
     expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: 0 on CPU, else all)
     prefetch: str = "none"  # expert prefetch predictor name
     # packed experts per layer kept in memory (None: all); fewer are read on demand from the memory-mapped
-    # packed checkpoint (the cold tier, actors.experts.store.ColdExpertTier)
+    # packed checkpoint (the cold tier, actors.experts.cold_tier.ColdExpertTier)
     resident_experts: int | None = None
     # gating policy of the deployment (actors.moe.gating.POLICIES) and its knobs (GatingConfig)
     gating: str = "exact"
@@ -197,10 +197,10 @@ class RankEngine:
     def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
         """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers).
 
-        Packed experts + expert cache + prefetch (`actors.experts.store`) when weight_bits is set or the model
+        Packed experts + expert cache + prefetch (`actors.experts`) when weight_bits is set or the model
         folder is a packed checkpoint; `self.expert_runtime` then holds them (None otherwise).
         """
-        from actors.experts.store import build_engine_experts
+        from actors.experts.build import build_engine_experts
 
         self.expert_runtime = build_engine_experts(self.cfg, self.model_cfg, self.model, weights, local)
         if self.expert_runtime is None:

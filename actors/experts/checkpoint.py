@@ -16,7 +16,7 @@ Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moera
 
 `load_packed_experts` reads only the requested experts' rows of each stack (safetensors slices), so an EP
 rank never materialises the other ranks' experts. `PackedExpertReader` reads one expert at a time from the
-memory-mapped files: the source of the cold tier (`actors.experts.store.ColdExpertTier`), for models whose
+memory-mapped files: the source of the cold tier (`actors.experts.cold_tier.ColdExpertTier`), for models whose
 packed experts do not fit in memory.
 """
 from __future__ import annotations

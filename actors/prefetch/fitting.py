@@ -1,6 +1,6 @@
 """Fitting the expert predictors on calibration traces: the lookahead pre-gates and the log-linear weights.
 
-Offline work (a calibration run, `actors.experts.store.calibrate`), kept in actors/ because that run is: a
+Offline work (a calibration run, `actors.experts.calibration.calibrate`), kept in actors/ because that run is: a
 trace is recorded by running the model (`RoutingTrace`), then fitted here, and the results are saved with
 the transition counts (`TransitionCounts.lookahead_gates`, `TransitionCounts.weights`).
 

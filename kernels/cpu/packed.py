@@ -9,7 +9,7 @@ Layout: `kernels/packed_weights.py` (b-bit codes in uint32 words, fp16 scale and
 codebook). `dequant_packed` is bit-identical to that module's PyTorch reference. `packed_expert_ffn` unpacks the
 codes in registers with each group's scale and zero taken out of its sum, so ~4.5 bits per weight leave memory
 instead of 32 for a dequantized fp32 copy; the engine therefore keeps no such copy by default on CPU
-(`actors.experts.store.fused_path_runs`). Every function returns None when it cannot run; the caller uses its
+(`actors.experts.ops.fused_path_runs`). Every function returns None when it cannot run; the caller uses its
 PyTorch path.
 """
 from __future__ import annotations

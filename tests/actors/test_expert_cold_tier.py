@@ -13,7 +13,9 @@ import torch
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
-from actors.experts.store import ColdExpertTier, PackedLayerExperts, PrefetchWorker
+from actors.experts.cold_tier import ColdExpertTier
+from actors.experts.packed import PackedLayerExperts
+from actors.experts.worker import PrefetchWorker
 from actors.engine.messages import GenerateRequest
 from actors.experts.checkpoint import PackedExpertReader, load_packed_experts, write_packed_checkpoint
 from actors.engine.sampling import SamplingParams

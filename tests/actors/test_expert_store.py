@@ -12,13 +12,11 @@ import torch
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import ExpertPlacement
 from actors.engine.engine import EngineConfig, RankEngine
-from actors.experts.store import (
-    ExpertCache,
-    PackedLayerExperts,
-    PrefetchWorker,
-    calibrate,
-    quantize_local_experts,
-)
+from actors.experts.build import quantize_local_experts
+from actors.experts.cache import ExpertCache
+from actors.experts.calibration import calibrate
+from actors.experts.packed import PackedLayerExperts
+from actors.experts.worker import PrefetchWorker
 from actors.engine.messages import GenerateRequest
 from actors.experts.checkpoint import load_packed_experts, read_quant_config, write_packed_checkpoint
 from actors.engine.sampling import SamplingParams
@@ -267,7 +265,7 @@ def test_fill_falls_back_when_the_compiled_dequantize_is_gone():
 
 
 def test_auto_prefetch_rule():
-    from actors.experts.store import auto_prefetch
+    from actors.experts.build import auto_prefetch
     from actors.prefetch.predictors import DEFAULT_PREDICTOR
 
     assert auto_prefetch("cpu", full=True) == "none" and auto_prefetch("cuda", full=True) == "none"
@@ -280,7 +278,7 @@ def test_auto_prefetch_rule():
 def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, predictor):
     """Decode steps keep the prediction bookkeeping on Python lists (`SMALL_STEP_CELLS`); forcing the tensor
     path must give the same tokens and the same recall, precision and thrashing (fills run inline)."""
-    import actors.experts.store as es
+    import actors.experts.build as es
 
     def run(cells):
         monkeypatch.setattr(tuning, "SMALL_STEP_CELLS", cells)

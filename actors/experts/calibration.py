@@ -1,0 +1,83 @@
+"""Calibration of the expert predictors: record a sequence's routing, count expert transitions, fit the
+lookahead gates and the log-linear weights (`calibrate`, run by `moeray quantize` unless `--no-calibrate`).
+
+Shape legend: T = tokens of a sequence, L = layers, K = experts per token, D = hidden, V = vocabulary.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from actors.prefetch.predictors import make_predictor
+from actors.prefetch.transitions import TransitionCounts
+
+
+@torch.inference_mode()
+def record_routing(engine, token_ids: list[int], *, with_hidden: bool = False) -> tuple[RoutingTrace, torch.Tensor]:
+    """Run one sequence through `engine.prompt_logits` (world size 1) and record its routing.
+
+    Returns:
+        (RoutingTrace with ids `[T, L, K]` (-1 at dense layers) and hidden `[T, L, D]` float32 or None,
+         logits `[T, V]` fp32).
+    """
+    model = engine.model
+    mc = model.cfg
+    T = len(token_ids)
+    ids = torch.full((T, mc.num_layers, mc.top_k), -1, dtype=torch.int64)
+    hid = torch.zeros(T, mc.num_layers, mc.hidden_size) if with_hidden else None
+    saved = (model.on_route, getattr(model, "on_hidden", None))
+
+    def on_route(l, t):
+        if saved[0] is not None:
+            saved[0](l, t)
+        ids[:, l] = t.cpu()
+
+    def on_hidden(l, h):
+        if saved[1] is not None:
+            saved[1](l, h)
+        if hid is not None:
+            hid[:, l] = h.float().cpu()
+
+    model.on_route, model.on_hidden = on_route, on_hidden
+    try:
+        logits = engine.prompt_logits(list(token_ids))
+    finally:
+        model.on_route, model.on_hidden = saved
+    return RoutingTrace(ids=ids, hidden=hid), logits
+
+
+def transitions_from_traces(traces: list[RoutingTrace], num_layers: int, num_experts: int) -> TransitionCounts:
+    """Markov counts of recorded sequences (layer-to-layer within a token, token-to-token within a layer)."""
+    c = TransitionCounts.zeros(num_layers, num_experts)
+    for tr in traces:
+        moe = [l for l in range(num_layers) if bool((tr.ids[:, l] >= 0).any())]
+        for i, l in enumerate(moe):
+            cur = tr.ids[:, l]
+            prev_tok = torch.cat([torch.full_like(cur[:1], -1), cur[:-1]])
+            c.observe(l, cur, tr.ids[:, moe[i - 1]] if i else None, prev_tok)
+    return c
+
+
+def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = None,
+              meta: dict | None = None) -> TransitionCounts:
+    """Calibration run: route `token_chunks` through the model, count expert transitions, fit the lookahead
+    gates (`fit_lookahead_gates`) and then the Markov / hybrid predictors' log-linear weights on them
+    (`fit_loglinear`, block-prequential, with the fitted lookahead); optionally save all three (`out_path`,
+    usually `<model>/expert_transitions.safetensors`)."""
+    mc = engine.model.cfg
+    traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
+    counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
+    w = engine.model.w
+    gates = [w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
+    gates = [g.float() if g is not None and mc.moe_layers[l] else None for l, g in enumerate(gates)]
+    norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
+    counts.lookahead_gates = fit_lookahead_gates(traces, gates, norms, mc.rms_norm_eps) or None
+    look = make_predictor("lookahead", num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k,
+                          moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
+                          norm_eps=mc.rms_norm_eps)  # with the fitted gates, as served
+    counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look)
+    if out_path:
+        counts.save(out_path, meta)
+    return counts
