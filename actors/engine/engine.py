@@ -465,7 +465,7 @@ class RankEngine:
             self._release(seq.request_id)
             if not seq.detok.stopped:
                 text += seq.detok.flush()
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq)
         self.outputs.append(TokenOutput(request_id=seq.request_id, token_ids=[] if is_eos else [tok], text=text,
                                         finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                                         num_preemptions=seq.num_preemptions))
