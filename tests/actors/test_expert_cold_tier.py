@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.experts.store import ColdExpertTier, PackedLayerExperts, PrefetchWorker
 from actors.engine.messages import GenerateRequest
 from actors.experts.checkpoint import PackedExpertReader, load_packed_experts, write_packed_checkpoint
