@@ -33,11 +33,12 @@ The prefetch worker reads the predicted experts that the dequantized cache does 
 of their layer, so a good prediction turns cold misses into resident hits. Both paths still compute the same
 function of the same packed bytes: results equal the all-resident store to fp32 rounding.
 
-Hooks (`ExpertRuntime.attach`): the model calls `on_hidden(l, h)` before each FFN and `on_route(l, ids)`
-after each gate; the runtime learns the routing online (Markov counts), predicts the next MoE layer's experts
-(k + 1 per token, union over the batch), and submits their prefetch. A wrapper around `model.forward` reads
-the step's `AttentionMetadata` to know which token follows which in a sequence (the first KV block of a
-sequence is its key while it runs).
+Observer (`actors.model.model.RoutingObserver`: the engine gives the runtime to the model's constructor, or
+`ExpertRuntime.attach` makes it a built model's observer): the model calls `begin_step(meta, T, gating)` first,
+whose `AttentionMetadata` tells which token follows which in a sequence (the first KV block of a sequence is
+its key while it runs), then `on_hidden(l, h)` before each FFN and `on_route(l, ids)` after each gate; the
+runtime learns the routing online (Markov counts), predicts the next MoE layer's experts (k + 1 per token,
+union over the batch), and submits their prefetch.
 
 Sources: expert offloading with an LRU cache and lookahead prefetch (mixtral-offloading, arXiv 2312.17238);
 Markov / affinity-based prefetch (ProMoE arXiv 2410.22134, ExFlow arXiv 2401.08383).
@@ -66,7 +67,8 @@ from kernels import tuning
 from kernels.cpu import PackedFFNArgs, cpu_kernels_available, prefetch_step, swiglu_f32
 from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_weights import PackedExperts, quantize
-from actors.moe.gating import POLICIES, GatingBatch
+from actors.moe.experts import Experts
+from actors.moe.gating import POLICIES, GatingBatch, GatingRouter
 from actors.prefetch.predictors import (
     DEFAULT_PREDICTOR,
     PREDICTORS,
@@ -494,8 +496,9 @@ class PrefetchWorker:
             self._thread.join(timeout=5)
 
 
-class PackedLayerExperts:
-    """The experts of one layer on this rank: packed weights + expert cache (LocalExperts contract).
+class PackedLayerExperts(Experts):
+    """The experts of one layer on this rank: packed weights + expert cache (the `Experts` protocol; its
+    `run_padded` and `combine_token` are the protocol's, on top of `__call__` / `run_token`).
 
     With a cold tier (`tier`, packed experts not all resident) a miss runs the same fused path on the tier's
     slot stack: the expert's packed bytes are pinned there, read from the memory-mapped checkpoint first when
@@ -755,6 +758,7 @@ class ExpertRuntime:
             is below E_loc get a ColdExpertTier instead of `packed[l]` (which must then be None).
         resident: packed experts per layer kept in memory over the whole layer (None: all), P_loc =
             ceil(resident * E_loc / E) on this rank (`local_share`).
+        gating_router: the model's gating router (its default policy tells which tokens `sticky` routes).
     Raises:
         ValueError: capacity < 0, resident < 1, unknown policy or backend, `resident` without `cold`, or a
             layer with neither packed experts nor a tier.
@@ -765,7 +769,7 @@ class ExpertRuntime:
                  policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
                  budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None,
                  min_prefetch_prob: float = 0.0, cold: PackedExpertReader | None = None,
-                 resident: int | None = None):
+                 resident: int | None = None, gating_router: GatingRouter | None = None):
         mc = model_cfg
         if capacity is not None and capacity < 0:
             raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
@@ -807,7 +811,8 @@ class ExpertRuntime:
         self._warm(warm_counts)
         self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
         self._T = 0
-        self._model = None
+        self.gating_router = gating_router
+        self._model = None  # the model `attach` made this runtime the observer of
 
     def _warm(self, counts: TransitionCounts | None) -> None:
         """Start with the caches full: the calibration's most frequent experts first (else the lowest ids).
@@ -831,34 +836,16 @@ class ExpertRuntime:
 
     # ------------------------------------------------------------------------ hooks
     def attach(self, model) -> None:
-        """Install the hooks on `model` (chaining any `on_route` already there) and wrap its forward."""
-        self._model = model
-        self._saved = (model.on_route, getattr(model, "on_hidden", None), model.__dict__.get("forward"))
-        prev_route = model.on_route
-        inner = model.forward
-
-        def on_route(l: int, ids: torch.Tensor) -> None:
-            if prev_route is not None:
-                prev_route(l, ids)
-            self.on_route(l, ids)
-
-        def forward(input_ids_T, positions_T, cache, meta, *args, **kw):
-            self.begin_step(meta, input_ids_T.shape[0], kw.get("gating", args[0] if args else None))
-            return inner(input_ids_T, positions_T, cache, meta, *args, **kw)
-
-        model.on_route = on_route
-        model.on_hidden = self.on_hidden
-        model.forward = forward
+        """Make this runtime the routing observer of a built `model` (`actors.model.model.MoEModel`), reading its
+        gating router; the engine passes the runtime to the model's constructor instead."""
+        self._model, self._saved = model, model.observer
+        self.gating_router = model.gating_router
+        model.observer = self
 
     def detach(self) -> None:
-        """Undo `attach` and stop the worker."""
+        """Undo `attach` (if attached: the model's previous observer is back) and stop the worker."""
         if self._model is not None:
-            m = self._model
-            m.on_route, m.on_hidden, fwd = self._saved
-            if fwd is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = fwd
+            self._model.observer = self._saved
             self._model = None
         self.worker.close()
 
@@ -906,7 +893,7 @@ class ExpertRuntime:
 
     def _sticky_tokens(self, gating: GatingBatch | None, T: int) -> list[bool] | None:
         """Per token, True where the `sticky` policy routes it; None when no token is (the common case)."""
-        router = getattr(self._model, "gating_router", None)
+        router = self.gating_router
         if gating is None or router is None:
             return None
         if gating.policy_T is None:
@@ -1246,13 +1233,15 @@ def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) ->
     return DEFAULT_PREDICTOR if cold or torch.device(device).type == "cuda" else "none"
 
 
-def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], packed: list[PackedExperts | None],
+def build_runtime(*, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device, local: list[list[int]], packed: list[PackedExperts | None],
                   model_path: str | None, capacity: int | None, prefetch: str = "auto", policy: str | None = None,
                   backend: str = "torch", async_prefetch: bool = True,
                   counts: TransitionCounts | None = None, **runtime_kw) -> ExpertRuntime:
-    """An ExpertRuntime for `model` (not yet attached).
+    """An ExpertRuntime for a model with `weights` (the rank's weight dict: router gates and post-attention norms
+    feed the predictors), compute `dtype` and `device` (not attached to any model).
 
-    `prefetch="auto"` picks `auto_prefetch(model.device, full)`: none when the cache (and, with a cold tier, the
+    `prefetch="auto"` picks `auto_prefetch(device, full)`: none when the cache (and, with a cold tier, the
     packed resident set) holds every local expert, else DEFAULT_PREDICTOR on CUDA and none on CPU.
     Markov counts come from `counts`, else `<model_path>/expert_transitions.safetensors` when present, else
     start at zero (learned online).
@@ -1265,26 +1254,29 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
     if prefetch == "auto":
         resident = runtime_kw.get("resident")
         full = (capacity is None or capacity >= mc.num_experts) and (resident is None or resident >= mc.num_experts)
-        prefetch = auto_prefetch(model.device, full, cold=resident is not None and resident < mc.num_experts)
+        prefetch = auto_prefetch(device, full, cold=resident is not None and resident < mc.num_experts)
     if counts is None and model_path and os.path.isfile(os.path.join(model_path, TRANSITIONS_FILE)):
         counts = TransitionCounts.load(os.path.join(model_path, TRANSITIONS_FILE))
         if counts.freq.shape != (mc.num_layers, mc.num_experts):
             log.warning("ignoring %s: shape %s does not match the model", TRANSITIONS_FILE, tuple(counts.freq.shape))
             counts = None
-    w = model.w
+    w = weights
     gates = [w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
     norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
     pred = make_predictor(prefetch, num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k,
                           moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
                           norm_eps=mc.rms_norm_eps)
-    return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=model.dtype, device=model.device,
+    return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=dtype, device=device,
                          capacity=capacity, predictor=pred, policy=policy, backend=backend,
                          async_prefetch=async_prefetch, warm_counts=counts, **runtime_kw)
 
 
-def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, local: list[list[int]]):
-    """The engine seam (`RankEngine._build_experts`): returns an attached ExpertRuntime, or None to keep the
-    full-precision `LocalExperts`.
+def build_engine_experts(cfg, model_cfg: ModelConfig, weights: dict, local: list[list[int]], *, dtype: torch.dtype,
+                         device: torch.device, gating_router: GatingRouter | None = None):
+    """The engine seam (`RankEngine._build_experts`, before the model is built): returns an ExpertRuntime (the
+    model's experts, `layers`, and its routing observer), or None to keep the full-precision `LocalExperts`.
+    `weights`: the rank's weight dict (a load-time quantization takes the routed experts out of it); `dtype`,
+    `device`: the model's compute dtype and device.
 
     Packed experts are used when `cfg.model` is a packed checkpoint (read: only this rank's experts) or
     `cfg.weight_bits` is set (quantized at load time, group size `cfg.weight_group_size`, uniform grid).
@@ -1315,7 +1307,7 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
         if resident is not None and resident < mc.num_experts:
             cold = PackedExpertReader(cfg.model, mc)
         # Layers served by a cold tier read nothing now (their slots fill when the runtime warms them).
-        packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(model.device)
+        packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(device)
                   if mc.moe_layers[l] and local[l] and local_share(resident, len(local[l]), mc.num_experts) >=
                   len(local[l]) else None for l in range(mc.num_layers)]
     elif cfg.weight_bits is not None:
@@ -1337,16 +1329,33 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
     capacity = cfg.expert_cache_capacity
     if capacity is None and cold is not None:
         capacity = 0  # a model served from the cold tier does not fit dequantized: cache only when asked to
-    if capacity is None and fused_path_runs(model.device, cfg.kernel_backend, model.dtype):
+    if capacity is None and fused_path_runs(device, cfg.kernel_backend, dtype):
         capacity = 0  # CPU: the fused kernel on the packed bytes beats a dequantized copy (`fused_path_runs`)
-    rt = build_runtime(model_cfg=mc, model=model, local=local, packed=packed, model_path=cfg.model,
-                       capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
-                       cold=cold, resident=resident if cold is not None else None)
-    rt.attach(model)
-    return rt
+    return build_runtime(model_cfg=mc, weights=weights, dtype=dtype, device=device, local=local, packed=packed,
+                         model_path=cfg.model, capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
+                         cold=cold, resident=resident if cold is not None else None, gating_router=gating_router)
 
 
 # ---------------------------------------------------------------------------- calibration
+
+
+class _RoutingRecorder:
+    """The routing observer of `record_routing`: the model's own observer first, then a copy of ids and hidden."""
+
+    def __init__(self, inner, ids_TLK: torch.Tensor, hid_TLD: torch.Tensor | None):
+        self.inner, self.ids, self.hid = inner, ids_TLK, hid_TLD
+
+    def begin_step(self, meta, num_tokens: int, gating) -> None:
+        self.inner.begin_step(meta, num_tokens, gating)
+
+    def on_route(self, l: int, t: torch.Tensor) -> None:
+        self.inner.on_route(l, t)
+        self.ids[:, l] = t.cpu()
+
+    def on_hidden(self, l: int, h: torch.Tensor) -> None:
+        self.inner.on_hidden(l, h)
+        if self.hid is not None:
+            self.hid[:, l] = h.float().cpu()
 
 
 @torch.inference_mode()
@@ -1362,24 +1371,7 @@ def record_routing(engine, token_ids: list[int], *, with_hidden: bool = False) -
     T = len(token_ids)
     ids = torch.full((T, mc.num_layers, mc.top_k), -1, dtype=torch.int64)
     hid = torch.zeros(T, mc.num_layers, mc.hidden_size) if with_hidden else None
-    saved = (model.on_route, getattr(model, "on_hidden", None))
-
-    def on_route(l, t):
-        if saved[0] is not None:
-            saved[0](l, t)
-        ids[:, l] = t.cpu()
-
-    def on_hidden(l, h):
-        if saved[1] is not None:
-            saved[1](l, h)
-        if hid is not None:
-            hid[:, l] = h.float().cpu()
-
-    model.on_route, model.on_hidden = on_route, on_hidden
-    try:
-        logits = engine.prompt_logits(list(token_ids))
-    finally:
-        model.on_route, model.on_hidden = saved
+    logits = engine.prompt_logits(list(token_ids), observer=_RoutingRecorder(model.observer, ids, hid))
     return RoutingTrace(ids=ids, hidden=hid), logits
 
 
