@@ -740,7 +740,7 @@ class PackedLayerExperts(Experts):
 
 
 class ExpertRuntime:
-    """Packed experts + caches + predictor + prefetch worker of one rank, and the model hooks.
+    """Packed experts + caches + predictor + prefetch worker of one rank; the model's routing observer.
 
     Args:
         model_cfg: the model's configuration. local: per layer, the global expert ids on this rank (row order).
@@ -834,7 +834,7 @@ class ExpertRuntime:
             if c:
                 store.warm(order)
 
-    # ------------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------------ routing observer
     def attach(self, model) -> None:
         """Make this runtime the routing observer of a built `model` (`actors.model.model.MoEModel`), reading its
         gating router; the engine passes the runtime to the model's constructor instead."""
