@@ -2,11 +2,13 @@
 
 `Experts` is what the MoE block runs between dispatch and combine (`actors.moe.dispatch`): rows in any order,
 each with the local row of its expert (0..E_loc-1), results in the rows' order and dtype. Beside the general
-call it has the entries the dispatcher's rows may need (`ExpertRows.run`): `run_padded` (a fixed-capacity
-exchange: rows with id -1 give zero rows), `run_token` and `combine_token` (one decode token through its K
-experts on one rank). The protocol's own bodies are the reference for those entries, built on `__call__`;
-an implementation subclasses it and overrides what it can do faster. `LocalExperts` (here) holds
-full-precision weights; `actors.experts.store.PackedLayerExperts` packed ones with a dequantized cache.
+call it has the entries the dispatcher's rows may need: `ExpertRows` (what a dispatcher hands the experts)
+picks one in `run`: `run_padded` (a fixed-capacity exchange: rows with id -1 give zero rows), `combine_token`
+(one decode token through its K experts on one rank, weighted and summed; `run_token` without the sum).
+No entry is probed with getattr: every implementation has all four. The protocol's own bodies are the
+reference for those entries, built on `__call__`; an implementation subclasses it and overrides what it can do
+faster. `LocalExperts` (here) holds full-precision weights; `actors.experts.store.PackedLayerExperts` packed
+ones with a dequantized cache.
 
 Shape legend: R = token rows received for this rank's experts, D = hidden, I = expert intermediate,
 E_loc = experts held on this rank, K = experts per token.
@@ -50,7 +52,8 @@ class Experts(Protocol):
 
 @dataclass(slots=True)
 class ExpertRows:
-    """The rows a dispatcher hands this rank's experts (`actors.moe.dispatch`): x [R, D] and the local row of each one's expert [R].
+    """The rows a dispatcher hands this rank's experts (`actors.moe.dispatch`): x [R, D] and the local row of
+    each one's expert [R] (int64).
 
     kind: "rows" (every row real), "padded" (rows with id -1 from a fixed-capacity exchange: zero results) or
     "token" (one token [1, D] and its K local ids: the experts weigh and sum them, `combine_token`)."""
