@@ -188,7 +188,8 @@ class MoEModel:
             observer.on_route(l, topk_ids)
         rows, handle = self.dispatcher.dispatch(l, x_TD, topk_ids, may_pad=may_pad,
                                                 step_max_tokens=ctx.step_max_tokens)
-        out = self.dispatcher.combine(rows.run(self.experts[l], topk_w), handle, topk_w)
+        y_RD = rows.run(self.experts[l], topk_w)  # this rank's experts, on the rows every rank sent them
+        out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
         if self.cfg.has_shared_expert:
             sg, su = y[:, E:-1].chunk(2, dim=-1)
             shared = linear(F.silu(sg) * su, w[p + "shared_down"])
