@@ -39,8 +39,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.experts.build import build_runtime, quantize_local_experts
 from actors.experts.calibration import record_routing, transitions_from_traces
 from actors.engine.messages import GenerateRequest
@@ -117,8 +118,8 @@ class Installer:
     def install(self, packed, **kw):
         self.restore()
         m = self.engine.model
-        self.rt = build_runtime(model_cfg=m.cfg, model=m, local=self.local, packed=packed,
-                                model_path=None, **kw)
+        self.rt = build_runtime(model_cfg=m.cfg, weights=m.w, dtype=m.dtype, device=m.device, local=self.local,
+                                packed=packed, model_path=None, **kw)
         self.rt.attach(m)
         m.experts = self.rt.layers
         return self.rt

@@ -36,8 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
+from actors.model.model import NoObserver
 from cluster.config import DEFAULT_MODEL
 from experts import decode_tpot, held_out_sequences
 from actors.moe.gating import POLICIES, GatingConfig
@@ -65,35 +67,31 @@ def run_policy(eng: RankEngine, seqs: list[list[int]], width: int,
     cur: dict[int, torch.Tensor] = {}
     hid: dict[int, torch.Tensor] = {}
 
-    def on_route(l, ids):
-        cur[l] = ids.cpu()
+    class Recorder(NoObserver):
+        def on_route(self, l, ids):
+            cur[l] = ids.cpu()
 
-    def on_hidden(l, h):
-        hid[l] = h.detach().float().cpu()
-
-    eng.model.on_route = on_route
-    if hidden is not None:
-        eng.model.on_hidden = on_hidden
-    tot, n, traces = 0.0, 0, []
-    try:
-        for s in seqs:
-            cur.clear()
-            hid.clear()
-            logits = eng.prompt_logits(s)[:-1]
-            tot += float(torch.nn.functional.cross_entropy(logits, torch.tensor(s[1:]), reduction="sum"))
-            n += len(s) - 1
-            ids = torch.full((len(s), mc.num_layers, width), -1, dtype=torch.int64)
-            for l, t in cur.items():
-                ids[:, l, : t.shape[1]] = t
-            traces.append(ids)
+        def on_hidden(self, l, h):
             if hidden is not None:
-                h = torch.zeros(len(s), mc.num_layers, mc.hidden_size)
-                for l, t in hid.items():
-                    h[:, l] = t
-                hidden.append(h)
-    finally:
-        eng.model.on_route = None
-        eng.model.on_hidden = None
+                hid[l] = h.detach().float().cpu()
+
+    rec = Recorder()
+    tot, n, traces = 0.0, 0, []
+    for s in seqs:
+        cur.clear()
+        hid.clear()
+        logits = eng.prompt_logits(s, observer=rec)[:-1]
+        tot += float(torch.nn.functional.cross_entropy(logits, torch.tensor(s[1:]), reduction="sum"))
+        n += len(s) - 1
+        ids = torch.full((len(s), mc.num_layers, width), -1, dtype=torch.int64)
+        for l, t in cur.items():
+            ids[:, l, : t.shape[1]] = t
+        traces.append(ids)
+        if hidden is not None:
+            h = torch.zeros(len(s), mc.num_layers, mc.hidden_size)
+            for l, t in hid.items():
+                h[:, l] = t
+            hidden.append(h)
     return tot / n, torch.cat(traces)
 
 

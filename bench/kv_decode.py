@@ -48,8 +48,9 @@ def prose_ids(model: str, n: int) -> list[int]:
 def run_once(model: str, kv_bits: int | None, context: int, batch: int, decode: int, ids: list[int]) -> dict:
     """Median decode step ms and KV bytes per token for one configuration (a fresh engine)."""
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
     from actors.engine.messages import GenerateRequest
     from actors.engine.sampling import SamplingParams
 

@@ -62,8 +62,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from actors.model.attention import AttentionMetadata  # noqa: E402
 from actors.model.config import ModelConfig  # noqa: E402
-from actors.moe.dispatch import ExpertPlacement  # noqa: E402
-from actors.engine.engine import EngineConfig, RankEngine  # noqa: E402
+from actors.moe.placement import ExpertPlacement  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
+from actors.engine.engine import RankEngine  # noqa: E402
 from actors.kv.allocator import BlockAllocator  # noqa: E402
 from actors.kv.calibration import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS,  # noqa: E402
                                    collect_calibration_kv, fit_model_profile, model_effective_bits)

@@ -39,8 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from cluster.config import DEFAULT_MODEL
 from experts import held_out_sequences
 from gating import new_router, run_policy, thrash

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from actors.moe.dispatch import ExpertPlacement
+from actors.moe.placement import ExpertPlacement
 
 
 def max_over_mean(xs: list[float]) -> float:

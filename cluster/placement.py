@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from actors.moe.dispatch import ExpertPlacement
+from actors.moe.placement import ExpertPlacement
 
 
 def contiguous_placement(num_layers: int, num_experts: int, world_size: int) -> ExpertPlacement:

@@ -69,8 +69,9 @@ def cmd_calibrate(a) -> int:
     from tqdm import tqdm
 
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
     from actors.kv.calibration import collect_calibration_kv, fit_model_profile, model_effective_bits
     from actors.kv.profiles import profile_filename, save_profile
 

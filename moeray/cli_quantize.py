@@ -81,8 +81,9 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     from tqdm import tqdm
 
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
     from actors.experts.calibration import calibrate
     from actors.prefetch.transitions import TRANSITIONS_FILE
 

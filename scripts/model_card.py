@@ -19,8 +19,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from actors.model.config import ModelConfig  # noqa: E402
-from actors.moe.dispatch import ExpertPlacement  # noqa: E402
-from actors.engine.engine import EngineConfig, RankEngine  # noqa: E402
+from actors.moe.placement import ExpertPlacement  # noqa: E402
+from actors.engine.config import EngineConfig  # noqa: E402
+from actors.engine.engine import RankEngine  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
 
 WINDOW = 1024

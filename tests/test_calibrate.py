@@ -54,8 +54,9 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     profiles, default = load_profiles(model, 3, str(out))
     assert sorted(profiles) == ["code", "prose"] and default == "auto"
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
 
     mc = ModelConfig.from_pretrained(model)
     eng = RankEngine(EngineConfig(model=model, kv_bits=3, kv_profile=str(out), max_model_len=64,

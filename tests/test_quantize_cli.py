@@ -51,8 +51,9 @@ def test_quantize_rejects_bad_arguments(packed_dir, capsys):
 @pytest.mark.ray
 def test_generate_serves_packed_model_with_triton(packed_dir, ray_session, capsys):
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
 
     _, dst = packed_dir
     prompt = "def add(a, b):"

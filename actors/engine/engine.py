@@ -2,7 +2,13 @@
 
 `step()` must be called on every rank of the EP group the same number of times (the all-to-all
 collectives inside the MoE layers pair up across ranks); a rank with nothing scheduled runs the
-forward with zero tokens. The lockstep loop that guarantees this lives in `actors.rank.worker`.
+forward with zero tokens. The lockstep loop that guarantees this lives in `actors.rank.lockstep`.
+
+Construction order (everything a component needs arrives in its constructor): weights, then the gating router,
+the routed experts and their routing observer (`actors.experts` for packed experts), the dispatcher
+(with the rank's shared-memory transport, if any), and last the model that holds them. Per-step state (the
+gating batch, the agreed step size) reaches the model as a `StepContext` argument. Step planning lives in
+`actors.engine.step_plan`, expert placement changes in `actors.engine.eplb`.
 
 Shape legend: T = tokens in the step, N = sequences needing logits, V = vocab.
 """
@@ -10,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,121 +23,34 @@ from tokenizers import Tokenizer
 
 from actors.model.attention import AttentionMetadata
 from actors.model.config import ModelConfig
+from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
-from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.engine.eplb import PlacementMixin
+from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata
+from actors.moe.dispatch import AllToAllDispatcher
+from actors.moe.experts import Experts, local_experts
+from actors.moe.placement import ExpertPlacement
 from actors.kv.paged import PagedKVCache
 from actors.engine.messages import GenerateRequest, TokenOutput
-from actors.model.model import MoEModel
+from actors.model.model import NO_OBSERVER, MoEModel, RoutingObserver, StepContext
 from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, sample
 from actors.engine.scheduler import Scheduler, Sequence
 from actors.model.weights import load_rank_weights
 from kernels.cpu import cpu_kernels_available
-from actors.moe.gating import POLICIES, GatingBatch, GatingConfig
+from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
 
 # engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
 BIAS_SYNC_STEPS = 16
 
 
-@dataclass(kw_only=True, slots=True)
-class EngineConfig:
-    """Per-rank engine settings (validated).
-
-    kv_cache_bytes: KV memory budget of this rank in bytes. block_size: tokens per KV block.
-    max_model_len: prompt + output tokens per sequence at most. dtype: compute dtype name.
-    weight_storage: "auto" keeps the weight matrices of a bf16 checkpoint in bf16 when computing in fp32 on
-    CPU and the bf16-weight kernel is available (`kernels.cpu`: same values, half the bytes read per
-    decode step); "compute" casts every weight to `dtype`.
-    """
-
-    model: str
-    dtype: str = "float32"
-    weight_storage: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int = 64 * 2**20
-    max_model_len: int = 1024
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 4096
-    num_threads: int = 0  # 0: leave torch's default
-    kernel_backend: str = "torch"  # "torch" (PyTorch reference) | "triton"
-    # KV cache: kv_bits None = full precision; 2/3/4 = quantized with profile `kv_profile`
-    kv_bits: int | None = None
-    kv_profile: str | None = None
-    # further widths served from the same page pool; a request picks one by naming "<profile>-<b>bit"
-    kv_extra_bits: tuple[int, ...] = ()
-    # routed experts: weight_bits None = as in the checkpoint; 2/3/4 = packed at load time
-    weight_bits: int | None = None
-    weight_group_size: int = 64
-    expert_cache_capacity: int | None = None  # experts per layer kept dequantized (None: 0 on CPU, else all)
-    prefetch: str = "none"  # expert prefetch predictor name
-    # packed experts per layer kept in memory (None: all); fewer are read on demand from the memory-mapped
-    # packed checkpoint (the cold tier, actors.experts.cold_tier.ColdExpertTier)
-    resident_experts: int | None = None
-    # gating policy of the deployment (actors.moe.gating.POLICIES) and its knobs (GatingConfig)
-    gating: str = "exact"
-    gating_options: dict | None = None
-    device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        if self.weight_storage not in ("auto", "compute"):
-            raise ValueError(f"weight_storage={self.weight_storage!r} must be auto or compute")
-        if self.kernel_backend not in ("torch", "triton"):
-            raise ValueError(f"kernel_backend={self.kernel_backend!r} must be torch or triton")
-        for name in ("kv_bits", "weight_bits"):
-            b = getattr(self, name)
-            if b is not None and b not in (2, 3, 4):
-                raise ValueError(f"{name}={b} must be 2, 3 or 4 (or unset for full precision)")
-        self.kv_extra_bits = tuple(self.kv_extra_bits or ())
-        if any(b not in (2, 3, 4) for b in self.kv_extra_bits):
-            raise ValueError(f"kv_extra_bits={list(self.kv_extra_bits)}: each must be 2, 3 or 4")
-        if self.kv_extra_bits and self.kv_bits is None:
-            raise ValueError("kv_extra_bits needs kv_bits (the default width) to be set")
-        if self.resident_experts is not None and self.resident_experts < 1:
-            raise ValueError(f"resident_experts={self.resident_experts} must be >= 1 (or unset: all resident)")
-        for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        self.gating_config()  # validates policy and options
-
-    def gating_config(self) -> GatingConfig:
-        """The deployment's `GatingConfig` (the fused selection kernel follows `kernel_backend`).
-
-        Raises:
-            ValueError: unknown policy or option, or an out-of-range knob.
-        """
-        return GatingConfig.from_options(self.gating, self.gating_options, backend=self.kernel_backend)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    @property
-    def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-
-@dataclass(kw_only=True, slots=True)
-class StepPlan:
-    """One scheduled step: its sequences (prefills first), flattened token ids [T] and positions [T] (int64),
-    attention metadata and gating batch. `num_tokens` = T."""
-
-    seqs: list[Sequence]
-    ids: torch.Tensor
-    pos: torch.Tensor
-    meta: AttentionMetadata
-    gating: GatingBatch
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ids.numel()
-
-
-class RankEngine:
+class RankEngine(PlacementMixin):
     """Model shard, KV cache and scheduler of one rank.
+
+    Args:
+        cfg: engine settings. placement: which experts this rank holds. rank: this rank. group: the EP process
+            group (None: world size 1, or the default group). shm: the rank's same-node shared-memory transport
+            (`actors.rank.shm_collective.ShmAllToAll`, built by the rank actor; None: torch.distributed only).
 
     Thread-safety: `add_request`/`abort` may be called from other threads; `step` from one thread.
 
@@ -141,7 +59,7 @@ class RankEngine:
             exceeds the model's position limit.
     """
 
-    def __init__(self, cfg: EngineConfig, placement: ExpertPlacement, rank: int = 0, group=None):
+    def __init__(self, cfg: EngineConfig, placement: ExpertPlacement, rank: int = 0, group=None, *, shm=None):
         self.cfg = cfg
         self.rank = rank
         self.model_cfg = ModelConfig.from_pretrained(cfg.model)
@@ -156,15 +74,17 @@ class RankEngine:
                           and cpu_kernels_available())
         weights = {k: v.to(self.device) for k, v in load_rank_weights(cfg.model, mc, local, dtype, self.keep_bf16).items()}
         self.group = group
-        self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device)
-        self.model = MoEModel(mc, weights, self.dispatcher, max_positions=cfg.max_model_len)
-        self.model.experts = self._build_experts(weights, local)
         # one gating-state slot per concurrent sequence, plus a scratch slot for prompt scoring
-        self.model.gating_router = GatingRouter(
+        router = GatingRouter(
             cfg.gating_config(), num_layers=mc.num_layers, num_experts=max(mc.num_experts, 1), top_k=max(mc.top_k, 1),
             renormalize=mc.norm_topk_prob, hidden=mc.hidden_size, num_slots=cfg.max_num_seqs + 1,
             has_shared_expert=mc.has_shared_expert, device=self.device)
-        self.dispatcher.max_experts_per_token = self.model.gating_router.state.k_max
+        experts, self.expert_runtime = self._build_experts(weights, local, router)
+        self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device, shm=shm,
+                                             max_experts_per_token=router.state.k_max)
+        self.model = MoEModel(mc, weights, self.dispatcher, experts, gating_router=router,
+                              observer=NO_OBSERVER if self.expert_runtime is None else self.expert_runtime,
+                              max_positions=cfg.max_model_len)
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.cache = self._build_kv_cache()
@@ -194,75 +114,19 @@ class RankEngine:
                              f"one max_model_len={cfg.max_model_len} sequence needs {need}")
         return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype, self.device)
 
-    def _build_experts(self, weights: dict, local: list[list[int]]) -> list:
-        """Per-layer callables `(x [R, D], local_ids [R]) -> y [R, D]` (None for dense layers).
+    def _build_experts(self, weights: dict, local: list[list[int]], router: GatingRouter):
+        """(per-layer `Experts`, None for dense layers; the runtime behind them or None), before the model.
 
         Packed experts + expert cache + prefetch (`actors.experts`) when weight_bits is set or the model
-        folder is a packed checkpoint; `self.expert_runtime` then holds them (None otherwise).
+        folder is a packed checkpoint: the runtime holds them and is the model's routing observer. Otherwise
+        full-precision `LocalExperts` over `weights` and no runtime.
         """
         from actors.experts.build import build_engine_experts
 
-        self.expert_runtime = build_engine_experts(self.cfg, self.model_cfg, self.model, weights, local)
-        if self.expert_runtime is None:
-            return self.model.experts
-        return self.expert_runtime.layers
-
-    # ------------------------------------------------------------------------ expert placement (EPLB)
-    def prepare_placement(self, placement: ExpertPlacement) -> dict[str, torch.Tensor]:
-        """Read this rank's experts under `placement` (full precision, stored as at start-up, on the device) without
-        touching the running engine, so it may run on another thread while steps go on.
-
-        Experts this rank already holds are copied from memory (plain path); the others are read from the
-        checkpoint (`actors.model.weights`, only their slices). Returns {layers.{l}.w_gate_up [E_loc, 2I, D],
-        layers.{l}.w_down [E_loc, D, I]} per MoE layer (E_loc = 0 for a packed checkpoint: the expert store
-        reads those itself). Raises ValueError if the placement's world size or layer count does not match.
-        """
-        from actors.model.weights import CheckpointReader, load_expert_weights
-
-        mc, dtype = self.model_cfg, self.cfg.torch_dtype
-        old = self.dispatcher.placement
-        if placement.world_size != old.world_size or placement.num_layers != mc.num_layers:
-            raise ValueError(f"placement world_size={placement.world_size}, layers={placement.num_layers}; "
-                             f"engine has world_size={old.world_size}, layers={mc.num_layers}")
-        reader = CheckpointReader(self.cfg.model)
-        out: dict[str, torch.Tensor] = {}
-        for l in range(mc.num_layers):
-            if not mc.moe_layers[l]:
-                continue
-            new = placement.local_experts(l, self.rank)
-            key_gu, key_dn = f"layers.{l}.w_gate_up", f"layers.{l}.w_down"
-            held = {g: i for i, g in enumerate(old.local_experts(l, self.rank))}
-            if key_gu in self.model.w and self.model.w[key_gu].shape[0] == len(held) and all(g in held for g in new):
-                rows = torch.tensor([held[g] for g in new], dtype=torch.int64, device=self.device)
-                out[key_gu], out[key_dn] = self.model.w[key_gu][rows].clone(), self.model.w[key_dn][rows].clone()
-                continue
-            gu, dn = load_expert_weights(reader, mc, l, new, dtype, self.keep_bf16)
-            out[key_gu], out[key_dn] = gu.to(self.device), dn.to(self.device)
-        return out
-
-    def apply_placement(self, placement: ExpertPlacement, prepared: dict[str, torch.Tensor] | None = None) -> None:
-        """Switch this rank to `placement`: its expert shard, the experts seam and the dispatcher tables.
-
-        Call on the step thread between steps, on every rank at the same step (`actors.rank.worker` does);
-        sequences, KV cache and non-expert weights are untouched, so no request is lost. `prepared`: the
-        result of `prepare_placement(placement)` (read now if None). The packed path (weight_bits or a
-        packed checkpoint) rebuilds its expert store; its cache and prefetch statistics start over.
-        """
-        from actors.moe.experts import LocalExperts
-
-        if prepared is None:
-            prepared = self.prepare_placement(placement)
-        mc = self.model_cfg
-        local = [placement.local_experts(l, self.rank) for l in range(mc.num_layers)]
-        if self.expert_runtime is not None:
-            self.expert_runtime.wait_idle()
-            self.expert_runtime.detach()
-        else:
-            self.model.w.update(prepared)
-        self.model.experts = [LocalExperts(prepared[f"layers.{l}.w_gate_up"], prepared[f"layers.{l}.w_down"])
-                              if mc.moe_layers[l] else None for l in range(mc.num_layers)]
-        self.model.experts = self._build_experts(dict(prepared), local)
-        self.dispatcher.set_placement(placement)
+        rt = build_engine_experts(self.cfg, self.model_cfg, weights, local, dtype=self.cfg.torch_dtype,
+                                  device=self.device, gating_router=router)
+        experts: list[Experts | None] = local_experts(self.model_cfg.moe_layers, weights) if rt is None else rt.layers
+        return experts, rt
 
     # ------------------------------------------------------------------------ requests
     def add_request(self, req: GenerateRequest) -> None:
@@ -320,67 +184,20 @@ class RankEngine:
         if slot is not None:
             self._free_slots.append(slot)
 
-    def _gating_batch(self, seqs: list[Sequence], pos: torch.Tensor, meta: AttentionMetadata) -> GatingBatch:
-        """Token -> gating slot (and per-request policy) for this step; tokens are laid out as in `_metadata`."""
-        counts = [n for _, n, _, _ in meta.prefills] + [1] * (len(seqs) - len(meta.prefills))
-        slots, pols, default = [], [], self.model.gating_router.cfg.policy
-        for seq in seqs:
-            slot = self._slot_of.get(seq.request_id)
-            if slot is None:
-                if not self._free_slots:  # preempted sequences restart at position 0: their slots are stale
-                    live = {s.request_id for s in self.scheduler.running} | {s.request_id for s in seqs}
-                    for rid in [r for r in self._slot_of if r not in live]:
-                        self._free_slots.append(self._slot_of.pop(rid))
-                slot = self._slot_of[seq.request_id] = self._free_slots.pop()
-            slots.append(slot)
-            pols.append(POLICIES.index(seq.params.gating or default))
-        dev = self.device
-        if meta.prefills:
-            rep = torch.tensor(counts, dtype=torch.int64)
-            expand = lambda vals: torch.repeat_interleave(torch.tensor(vals, dtype=torch.int64), rep).to(dev)  # noqa: E731
-        else:  # decode only: one token per sequence
-            expand = lambda vals: torch.tensor(vals, dtype=torch.int64, device=dev)  # noqa: E731
-        slot_T = expand(slots)
-        policy_T = None
-        if any(p != pols[0] for p in pols) or (pols and POLICIES[pols[0]] != default):
-            policy_T = expand(pols)
-        return GatingBatch(slots_T=slot_T, positions_T=pos, policy_T=policy_T)
+    def fail_all(self, err: str) -> list[TokenOutput]:
+        """Fail every request this engine holds (queued, waiting or running) after a fatal error (a dead peer, a
+        bug): their KV blocks and per-request state are freed. Returns one `finish_reason="error"` output with
+        `err` per request, for the caller to send."""
+        self._drain_inbox()
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        outs = []
+        for s in seqs:
+            self.scheduler.abort(s.request_id)
+            self._release(s.request_id)
+            outs.append(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+        return outs
 
     # ------------------------------------------------------------------------ step
-    def _metadata(self, prefills: list[Sequence], decodes: list[Sequence]):
-        bs = self.cfg.block_size
-        ids, pos, slots = [], [], []
-        pf_meta = []
-        for seq in prefills:
-            toks = seq.all_ids
-            start = len(ids)
-            ids += toks
-            pos += range(len(toks))
-            slots += [seq.block_table[i // bs] * bs + i % bs for i in range(len(toks))]
-            pf_meta.append((start, len(toks), len(toks), torch.tensor(seq.block_table, dtype=torch.int64)))
-        dec_tok = []
-        for seq in decodes:
-            i = seq.length - 1
-            dec_tok.append(len(ids))
-            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])  # no O(length) copy
-            pos.append(i)
-            slots.append(seq.block_table[i // bs] * bs + i % bs)
-        M = max((len(s.block_table) for s in decodes), default=0)
-        # one tensor from padded host lists (not one small tensor op per sequence)
-        tables = torch.tensor([s.block_table + [0] * (M - len(s.block_table)) for s in decodes],
-                              dtype=torch.int64).view(len(decodes), M)
-        dev = self.device
-        lens = [s.length for s in decodes]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=dev),
-            decode_block_tables=tables.to(dev),
-            decode_context_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
-            prefills=[(a, b, c, t.to(dev)) for a, b, c, t in pf_meta],
-            decode_context_lens_host=lens,
-        )
-        return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
-
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
         """Schedule, run one forward (possibly with zero tokens), sample, emit outputs."""
@@ -402,9 +219,12 @@ class RankEngine:
             prefills, decodes = batch.prefills, batch.decodes
         else:
             prefills, decodes = [], []
-        ids, pos, meta = self._metadata(prefills, decodes)
+        ids, pos, meta = build_metadata(prefills, decodes, self.cfg.block_size, self.device)
         seqs = prefills + decodes
-        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=self._gating_batch(seqs, pos, meta))
+        gating = build_gating_batch(seqs, pos, meta, slot_of=self._slot_of, free_slots=self._free_slots,
+                                    running=self.scheduler.running, default=self.model.gating_router.cfg.policy,
+                                    dev=self.device)
+        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating)
         self.timing["schedule_s"] += time.perf_counter() - t0
         return plan
 
@@ -414,9 +234,9 @@ class RankEngine:
         of this step on any rank of the EP group (agreed by the lockstep loop), which lets the dispatcher use
         fixed-capacity all-to-alls; None: unknown (counts are exchanged)."""
         seqs, meta = plan.seqs, plan.meta
-        self.dispatcher.step_max_tokens = max_tokens_per_rank
+        ctx = StepContext(gating=plan.gating, step_max_tokens=max_tokens_per_rank)
         t1 = time.perf_counter()
-        h = self.model.forward(plan.ids, plan.pos, self.cache, meta, plan.gating)
+        h = self.model.forward(plan.ids, plan.pos, self.cache, meta, ctx)
         t2 = time.perf_counter()
         if seqs:
             if meta.prefills:
@@ -466,15 +286,16 @@ class RankEngine:
             self._release(seq.request_id)
             if not seq.detok.stopped:
                 text += seq.detok.flush()
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq)
         self.outputs.append(TokenOutput(request_id=seq.request_id, token_ids=[] if is_eos else [tok], text=text,
                                         finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                                         num_preemptions=seq.num_preemptions))
 
     # ------------------------------------------------------------------------ utilities
     @torch.inference_mode()
-    def prompt_logits(self, prompt_ids: list[int]) -> torch.Tensor:
-        """Logits [L, V] (fp32) at every prompt position, through the paged cache (world_size 1 only)."""
+    def prompt_logits(self, prompt_ids: list[int], observer: RoutingObserver | None = None) -> torch.Tensor:
+        """Logits [L, V] (fp32) at every prompt position, through the paged cache (world_size 1 only).
+        `observer`: this forward's routing observer in place of the model's (calibration records routing)."""
         bs, dev = self.cfg.block_size, self.device
         n = len(prompt_ids)
         blocks = [self.cache.allocator.allocate() for _ in range(-(-n // bs))]
@@ -488,7 +309,8 @@ class RankEngine:
             pos = torch.arange(n, device=dev)
             scratch = GatingBatch(slots_T=torch.full((n,), self.cfg.max_num_seqs, dtype=torch.int64, device=dev),
                                   positions_T=pos)
-            h = self.model.forward(torch.tensor(prompt_ids, device=dev), pos, self.cache, meta, scratch)
+            h = self.model.forward(torch.tensor(prompt_ids, device=dev), pos, self.cache, meta,
+                                   StepContext(gating=scratch, observer=observer))
             return self.model.logits(h).cpu()
         finally:
             self.cache.allocator.free_all(blocks)

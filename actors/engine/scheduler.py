@@ -9,7 +9,6 @@ never fit is failed, never left to wait forever.
 """
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,12 +17,6 @@ import torch
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.kv.allocator import BlockAllocator
 from actors.engine.sampling import SamplingParams
-
-
-class SeqStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass(kw_only=True, slots=True, eq=False)
@@ -38,8 +31,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
-    status: SeqStatus = SeqStatus.WAITING
-    finish_reason: str | None = None
     num_preemptions: int = 0
     arrival: float = 0.0
 
@@ -57,10 +48,6 @@ class ScheduledBatch:
     prefills: list[Sequence]  # whole (re)computed prompts this step
     decodes: list[Sequence]  # one new token each
     failed: list[tuple[Sequence, str]]  # could never be scheduled: (sequence, error message)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
 
 
 class Scheduler:
@@ -102,22 +89,17 @@ class Scheduler:
                 if s.request_id == request_id:
                     q.remove(s)
                     self.free(s)
-                    s.status = SeqStatus.FINISHED
-                    s.finish_reason = "abort"
                     return s
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
         self.free(seq)
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
 
     def _preempt(self, victim: Sequence) -> None:
         self.running.remove(victim)
         self.free(victim)
-        victim.status = SeqStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
 
@@ -155,7 +137,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_table = [self.alloc.allocate() for _ in range(need_blocks)]
             seq.num_cached = 0
-            seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             prefills.append(seq)
             budget -= seq.length

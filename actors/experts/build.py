@@ -16,6 +16,7 @@ from actors.experts.checkpoint import (
 from actors.experts.ops import fused_path_runs
 from actors.experts.runtime import ExpertRuntime, local_share
 from actors.model.config import ModelConfig
+from actors.moe.gating_router import GatingRouter
 from actors.prefetch.predictors import DEFAULT_PREDICTOR, PREDICTORS, make_predictor
 from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
 from kernels.packed_format import PackedExperts
@@ -51,13 +52,15 @@ def auto_prefetch(device: torch.device | str, full: bool, cold: bool = False) ->
     return DEFAULT_PREDICTOR if cold or torch.device(device).type == "cuda" else "none"
 
 
-def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], packed: list[PackedExperts | None],
+def build_runtime(*, model_cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                  device: torch.device, local: list[list[int]], packed: list[PackedExperts | None],
                   model_path: str | None, capacity: int | None, prefetch: str = "auto", policy: str | None = None,
                   backend: str = "torch", async_prefetch: bool = True,
                   counts: TransitionCounts | None = None, **runtime_kw) -> ExpertRuntime:
-    """An ExpertRuntime for `model` (not yet attached).
+    """An ExpertRuntime for a model with `weights` (the rank's weight dict: router gates and post-attention norms
+    feed the predictors), compute `dtype` and `device` (not attached to any model).
 
-    `prefetch="auto"` picks `auto_prefetch(model.device, full)`: none when the cache (and, with a cold tier, the
+    `prefetch="auto"` picks `auto_prefetch(device, full)`: none when the cache (and, with a cold tier, the
     packed resident set) holds every local expert, else DEFAULT_PREDICTOR on CUDA and none on CPU.
     Markov counts come from `counts`, else `<model_path>/expert_transitions.safetensors` when present, else
     start at zero (learned online).
@@ -70,26 +73,29 @@ def build_runtime(*, model_cfg: ModelConfig, model, local: list[list[int]], pack
     if prefetch == "auto":
         resident = runtime_kw.get("resident")
         full = (capacity is None or capacity >= mc.num_experts) and (resident is None or resident >= mc.num_experts)
-        prefetch = auto_prefetch(model.device, full, cold=resident is not None and resident < mc.num_experts)
+        prefetch = auto_prefetch(device, full, cold=resident is not None and resident < mc.num_experts)
     if counts is None and model_path and os.path.isfile(os.path.join(model_path, TRANSITIONS_FILE)):
         counts = TransitionCounts.load(os.path.join(model_path, TRANSITIONS_FILE))
         if counts.freq.shape != (mc.num_layers, mc.num_experts):
             log.warning("ignoring %s: shape %s does not match the model", TRANSITIONS_FILE, tuple(counts.freq.shape))
             counts = None
-    w = model.w
+    w = weights
     gates = [w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
     norms = [w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
     pred = make_predictor(prefetch, num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k,
                           moe_layers=mc.moe_layers, counts=counts, gate_weights=gates, norm_weights=norms,
                           norm_eps=mc.rms_norm_eps)
-    return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=model.dtype, device=model.device,
+    return ExpertRuntime(model_cfg=mc, local=local, packed=packed, dtype=dtype, device=device,
                          capacity=capacity, predictor=pred, policy=policy, backend=backend,
                          async_prefetch=async_prefetch, warm_counts=counts, **runtime_kw)
 
 
-def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, local: list[list[int]]):
-    """The engine seam (`RankEngine._build_experts`): returns an attached ExpertRuntime, or None to keep the
-    full-precision `LocalExperts`.
+def build_engine_experts(cfg, model_cfg: ModelConfig, weights: dict, local: list[list[int]], *, dtype: torch.dtype,
+                         device: torch.device, gating_router: GatingRouter | None = None):
+    """The engine seam (`RankEngine._build_experts`, before the model is built): returns an ExpertRuntime (the
+    model's experts, `layers`, and its routing observer), or None to keep the full-precision `LocalExperts`.
+    `weights`: the rank's weight dict (a load-time quantization takes the routed experts out of it); `dtype`,
+    `device`: the model's compute dtype and device.
 
     Packed experts are used when `cfg.model` is a packed checkpoint (read: only this rank's experts) or
     `cfg.weight_bits` is set (quantized at load time, group size `cfg.weight_group_size`, uniform grid).
@@ -120,7 +126,7 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
         if resident is not None and resident < mc.num_experts:
             cold = PackedExpertReader(cfg.model, mc)
         # Layers served by a cold tier read nothing now (their slots fill when the runtime warms them).
-        packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(model.device)
+        packed = [load_packed_experts(cfg.model, mc, l, local[l], reader).to(device)
                   if mc.moe_layers[l] and local[l] and local_share(resident, len(local[l]), mc.num_experts) >=
                   len(local[l]) else None for l in range(mc.num_layers)]
     elif cfg.weight_bits is not None:
@@ -142,10 +148,8 @@ def build_engine_experts(cfg, model_cfg: ModelConfig, model, weights: dict, loca
     capacity = cfg.expert_cache_capacity
     if capacity is None and cold is not None:
         capacity = 0  # a model served from the cold tier does not fit dequantized: cache only when asked to
-    if capacity is None and fused_path_runs(model.device, cfg.kernel_backend, model.dtype):
+    if capacity is None and fused_path_runs(device, cfg.kernel_backend, dtype):
         capacity = 0  # CPU: the fused kernel on the packed bytes beats a dequantized copy (`fused_path_runs`)
-    rt = build_runtime(model_cfg=mc, model=model, local=local, packed=packed, model_path=cfg.model,
-                       capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
-                       cold=cold, resident=resident if cold is not None else None)
-    rt.attach(model)
-    return rt
+    return build_runtime(model_cfg=mc, weights=weights, dtype=dtype, device=device, local=local, packed=packed,
+                         model_path=cfg.model, capacity=capacity, prefetch=cfg.prefetch, backend=cfg.kernel_backend,
+                         cold=cold, resident=resident if cold is not None else None, gating_router=gating_router)

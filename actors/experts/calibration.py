@@ -14,6 +14,25 @@ from actors.prefetch.predictors import make_predictor
 from actors.prefetch.transitions import TransitionCounts
 
 
+class _RoutingRecorder:
+    """The routing observer of `record_routing`: the model's own observer first, then a copy of ids and hidden."""
+
+    def __init__(self, inner, ids_TLK: torch.Tensor, hid_TLD: torch.Tensor | None):
+        self.inner, self.ids, self.hid = inner, ids_TLK, hid_TLD
+
+    def begin_step(self, meta, num_tokens: int, gating) -> None:
+        self.inner.begin_step(meta, num_tokens, gating)
+
+    def on_route(self, l: int, t: torch.Tensor) -> None:
+        self.inner.on_route(l, t)
+        self.ids[:, l] = t.cpu()
+
+    def on_hidden(self, l: int, h: torch.Tensor) -> None:
+        self.inner.on_hidden(l, h)
+        if self.hid is not None:
+            self.hid[:, l] = h.float().cpu()
+
+
 @torch.inference_mode()
 def record_routing(engine, token_ids: list[int], *, with_hidden: bool = False) -> tuple[RoutingTrace, torch.Tensor]:
     """Run one sequence through `engine.prompt_logits` (world size 1) and record its routing.
@@ -27,24 +46,7 @@ def record_routing(engine, token_ids: list[int], *, with_hidden: bool = False) -
     T = len(token_ids)
     ids = torch.full((T, mc.num_layers, mc.top_k), -1, dtype=torch.int64)
     hid = torch.zeros(T, mc.num_layers, mc.hidden_size) if with_hidden else None
-    saved = (model.on_route, getattr(model, "on_hidden", None))
-
-    def on_route(l, t):
-        if saved[0] is not None:
-            saved[0](l, t)
-        ids[:, l] = t.cpu()
-
-    def on_hidden(l, h):
-        if saved[1] is not None:
-            saved[1](l, h)
-        if hid is not None:
-            hid[:, l] = h.float().cpu()
-
-    model.on_route, model.on_hidden = on_route, on_hidden
-    try:
-        logits = engine.prompt_logits(list(token_ids))
-    finally:
-        model.on_route, model.on_hidden = saved
+    logits = engine.prompt_logits(list(token_ids), observer=_RoutingRecorder(model.observer, ids, hid))
     return RoutingTrace(ids=ids, hidden=hid), logits
 
 

@@ -27,7 +27,7 @@ import torch
 
 from actors.experts.cache import EvictionClock
 from actors.experts.checkpoint import PackedExpertReader
-from kernels.packed_weights import PackedExperts
+from kernels.packed_format import PackedExperts
 
 
 class ColdExpertTier:

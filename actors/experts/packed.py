@@ -29,6 +29,7 @@ from actors.experts.cache import ExpertCache
 from actors.experts.cold_tier import ColdExpertTier
 from actors.experts.ops import fused_path_runs, kernel_ops
 from actors.experts.worker import PrefetchWorker
+from actors.moe.experts import Experts
 from actors.moe.stats import RoutingStats
 from kernels import tuning
 from kernels.cpu import PackedFFNArgs, swiglu_f32
@@ -36,8 +37,9 @@ from kernels.cpu import packed_expert_ffn as packed_expert_ffn_cpu
 from kernels.packed_format import PackedExperts
 
 
-class PackedLayerExperts:
-    """The experts of one layer on this rank: packed weights + expert cache (LocalExperts contract).
+class PackedLayerExperts(Experts):
+    """The experts of one layer on this rank: packed weights + expert cache (the `Experts` protocol; its
+    `run_padded` and `combine_token` are the protocol's, on top of `__call__` / `run_token`).
 
     With a cold tier (`tier`, packed experts not all resident) a miss runs the same fused path on the tier's
     slot stack: the expert's packed bytes are pinned there, read from the memory-mapped checkpoint first when

@@ -7,7 +7,7 @@ B = prediction budget per token.
 
 `PredictionBookkeeping` is the part of `runtime.ExpertRuntime` that scores, learns and predicts; it reads the
 runtime's configuration (`cfg`, `predictor`, `stats`, `layers`, `local`, `local_of`, `num_experts`, `budget`,
-`min_prefetch_prob`, `prefetching`, `prev_moe`, `next_moe`, `_model`) and the step's state that `begin_step`
+`min_prefetch_prob`, `prefetching`, `prev_moe`, `next_moe`, `gating_router`) and the step's state that `begin_step`
 sets (`_T`, `_key`, `_prev`, `_decode`, `_sticky`) and the hooks update (`_ids`, `_ids_t`, `_hidden`, `_pred`,
 `_last`).
 """
@@ -26,7 +26,7 @@ class PredictionBookkeeping:
 
     def _sticky_tokens(self, gating: GatingBatch | None, T: int) -> list[bool] | None:
         """Per token, True where the `sticky` policy routes it; None when no token is (the common case)."""
-        router = getattr(self._model, "gating_router", None)
+        router = self.gating_router
         if gating is None or router is None:
             return None
         if gating.policy_T is None:

@@ -1,14 +1,15 @@
 """The expert runtime of one rank (`ExpertRuntime`): packed experts, caches, cold tiers, predictor and prefetch
-worker of every MoE layer, and the model hooks that drive the prefetch.
+worker of every MoE layer, and the routing observer that drives the prefetch.
 
 Shape legend: T = tokens of the step, K = experts per token, E = routed experts of a layer (global),
 E_loc = this rank's experts of a layer.
 
-Hooks (`ExpertRuntime.attach`): the model calls `on_hidden(l, h)` before each FFN and `on_route(l, ids)`
-after each gate; the runtime learns the routing online (Markov counts), predicts the next MoE layer's experts
-(k + 1 per token, union over the batch), and submits their prefetch (`prediction.PredictionBookkeeping`). A
-wrapper around `model.forward` reads the step's `AttentionMetadata` to know which token follows which in a
-sequence (the first KV block of a sequence is its key while it runs). The hooks never wait for a fill: the
+Observer (`actors.model.model.RoutingObserver`: the engine gives the runtime to the model's constructor, or
+`ExpertRuntime.attach` makes it a built model's observer): the model calls `begin_step(meta, T, gating)` first,
+whose `AttentionMetadata` tells which token follows which in a sequence (the first KV block of a sequence is
+its key while it runs), then `on_hidden(l, h)` before each FFN and `on_route(l, ids)` after each gate; the
+runtime learns the routing online (Markov counts), predicts the next MoE layer's experts (k + 1 per token, union
+over the batch), and submits their prefetch (`prediction.PredictionBookkeeping`). It never waits for a fill: the
 bookkeeping runs on the forward thread, the fills on the worker (inline, deterministic, with async_prefetch=False).
 
 Sources: expert offloading with an LRU cache and lookahead prefetch (mixtral-offloading, arXiv 2312.17238);
@@ -27,6 +28,7 @@ from actors.experts.prediction import PredictionBookkeeping
 from actors.experts.worker import PrefetchWorker
 from actors.model.config import ModelConfig
 from actors.moe.gating import GatingBatch
+from actors.moe.gating_router import GatingRouter
 from actors.moe.stats import RoutingStats, jaccard_distance
 from actors.prefetch.base import ExpertPredictor
 from actors.prefetch.transitions import TransitionCounts
@@ -63,6 +65,7 @@ class ExpertRuntime(PredictionBookkeeping):
             is below E_loc get a ColdExpertTier instead of `packed[l]` (which must then be None).
         resident: packed experts per layer kept in memory over the whole layer (None: all), P_loc =
             ceil(resident * E_loc / E) on this rank (`local_share`).
+        gating_router: the model's gating router (its default policy tells which tokens `sticky` routes).
     Raises:
         ValueError: capacity < 0, resident < 1, unknown policy or backend, `resident` without `cold`, or a
             layer with neither packed experts nor a tier.
@@ -73,7 +76,7 @@ class ExpertRuntime(PredictionBookkeeping):
                  policy: str | None = None, backend: str = "torch", async_prefetch: bool = True,
                  budget: int | None = None, demand_fill: bool = True, warm_counts: TransitionCounts | None = None,
                  min_prefetch_prob: float = 0.0, cold: PackedExpertReader | None = None,
-                 resident: int | None = None):
+                 resident: int | None = None, gating_router: GatingRouter | None = None):
         mc = model_cfg
         if capacity is not None and capacity < 0:
             raise ValueError(f"expert_cache_capacity={capacity} must be >= 0")
@@ -115,7 +118,8 @@ class ExpertRuntime(PredictionBookkeeping):
         self._warm(warm_counts)
         self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
         self._T = 0
-        self._model = None
+        self.gating_router = gating_router
+        self._model = None  # the model `attach` made this runtime the observer of
 
     def _warm(self, counts: TransitionCounts | None) -> None:
         """Start with the caches full: the calibration's most frequent experts first (else the lowest ids).
@@ -137,36 +141,18 @@ class ExpertRuntime(PredictionBookkeeping):
             if c:
                 store.warm(order)
 
-    # ------------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------------ routing observer
     def attach(self, model) -> None:
-        """Install the hooks on `model` (chaining any `on_route` already there) and wrap its forward."""
-        self._model = model
-        self._saved = (model.on_route, getattr(model, "on_hidden", None), model.__dict__.get("forward"))
-        prev_route = model.on_route
-        inner = model.forward
-
-        def on_route(l: int, ids: torch.Tensor) -> None:
-            if prev_route is not None:
-                prev_route(l, ids)
-            self.on_route(l, ids)
-
-        def forward(input_ids_T, positions_T, cache, meta, *args, **kw):
-            self.begin_step(meta, input_ids_T.shape[0], kw.get("gating", args[0] if args else None))
-            return inner(input_ids_T, positions_T, cache, meta, *args, **kw)
-
-        model.on_route = on_route
-        model.on_hidden = self.on_hidden
-        model.forward = forward
+        """Make this runtime the routing observer of a built `model` (`actors.model.model.MoEModel`), reading its
+        gating router; the engine passes the runtime to the model's constructor instead."""
+        self._model, self._saved = model, model.observer
+        self.gating_router = model.gating_router
+        model.observer = self
 
     def detach(self) -> None:
-        """Undo `attach` and stop the worker."""
+        """Undo `attach` (if attached: the model's previous observer is back) and stop the worker."""
         if self._model is not None:
-            m = self._model
-            m.on_route, m.on_hidden, fwd = self._saved
-            if fwd is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.forward = fwd
+            self._model.observer = self._saved
             self._model = None
         self.worker.close()
 

@@ -2,15 +2,23 @@
 
 The math knows nothing of parallelism: attention runs on this rank's own sequences (data
 parallel), and the MoE block hands its (token, expert) pairs to a `Dispatcher`, which may send
-them to other ranks. Supports Qwen2-MoE (shared expert with sigmoid gate, q/k/v bias), Qwen3-MoE
+them to other ranks, runs this rank's `Experts` on the rows it receives, and combines the results.
+Supports Qwen2-MoE (shared expert with sigmoid gate, q/k/v bias), Qwen3-MoE
 (per-head q/k RMSNorm), Mixtral, OLMoE (full-width q/k RMSNorm, clip_qkv).
+
+Wiring: the model receives every component in its constructor (dispatcher, per-layer experts, gating router,
+routing observer) and per-step state as an argument (`StepContext`); nothing outside sets per-step attributes
+on it. A `RoutingObserver` (the expert store's prefetch runtime, a calibration recorder) sees each forward:
+`begin_step` first, then per MoE layer `on_hidden` (the residual stream entering the FFN) and `on_route`
+(the layer's routed ids).
 
 Shape legend: T = tokens in the step (all sequences flattened), D = hidden, H = query heads,
 Hkv = KV heads, Dh = head_dim, E = routed experts, K = experts per token, V = vocab.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +26,7 @@ import torch.nn.functional as F
 from actors.model.attention import AttentionMetadata
 from actors.model.config import ModelConfig
 from actors.moe.dispatch import Dispatcher
-from actors.moe.experts import LocalExperts
+from actors.moe.experts import Experts
 from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.cpu import linear
@@ -27,41 +35,91 @@ from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
 
 
+class RoutingObserver(Protocol):
+    """Sees the routing of every forward (called on the forward's thread, in this order)."""
+
+    def begin_step(self, meta: AttentionMetadata, num_tokens: int, gating: GatingBatch | None) -> None:
+        """Before any layer: the step's attention metadata, its token count T (may be 0) and gating batch."""
+
+    def on_hidden(self, layer: int, h_TD: torch.Tensor) -> None:
+        """MoE layer `layer`: the residual stream [T, D] entering its FFN (T > 0)."""
+
+    def on_route(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """MoE layer `layer` just routed its tokens: ids [T, K'] int64 (-1: padding; T > 0)."""
+
+
+class NoObserver:
+    """The default `RoutingObserver`: nothing to see."""
+
+    def begin_step(self, meta, num_tokens, gating) -> None:
+        pass
+
+    def on_hidden(self, layer, h_TD) -> None:
+        pass
+
+    def on_route(self, layer, ids_TK) -> None:
+        pass
+
+
+NO_OBSERVER = NoObserver()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepContext:
+    """Per-step inputs of `MoEModel.forward` besides the tokens, positions, KV cache and attention metadata.
+
+    gating: which gating slot (and policy) each token has (None: the model's own exact top-k routing, no
+        per-sequence state). step_max_tokens: the largest token count of this step on any rank of the EP group,
+        agreed by the lockstep loop (the dispatcher's fixed capacity; None: unknown, counts are exchanged).
+    observer: this forward's routing observer in place of the model's (None: the model's).
+    """
+
+    gating: GatingBatch | None = None
+    step_max_tokens: int | None = None
+    observer: RoutingObserver | None = None
+
+
+NO_CONTEXT = StepContext()
+
+
 class MoEModel:
     """Weights of one rank (replicated dense part + its expert shard) and the forward pass.
 
     Args:
         cfg: model configuration. weights: dict from `actors.model.weights.load_rank_weights`.
         dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
+        experts: per layer, this rank's routed experts of that layer (None for dense layers).
+        gating_router: a `actors.moe.gating.GatingRouter`; it picks the experts when `forward` gets a gating
+            batch (otherwise, or without a router, the model's own top-k routing, `exact`, runs).
+        observer: the `RoutingObserver` of every forward (default: none).
         max_positions: RoPE table length (default: the config's max_position_embeddings).
-
-    Routing: `gating_router` (a `actors.moe.gating_router.GatingRouter`, set by the engine) picks the
-    experts when `forward` gets a `GatingBatch`; otherwise the model's own top-k routing (`exact`) runs.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dispatcher: Dispatcher,
-                 max_positions: int | None = None):
+                 experts: list[Experts | None], *, gating_router: GatingRouter | None = None,
+                 observer: RoutingObserver = NO_OBSERVER, max_positions: int | None = None):
         self.cfg = cfg
         self.w = weights
         # compute dtype: the norms are always in it; matrices may be stored bf16 (`actors.model.weights`, keep_bf16)
         self.dtype = weights["norm"].dtype
         self.device = weights["norm"].device
         self.dispatcher = dispatcher
-        self.gating_router: GatingRouter | None = None
+        self.gating_router = gating_router
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, max_positions or cfg.max_position_embeddings,
                              self.dtype, self.device)
         self.scale = cfg.head_dim ** -0.5
         self._fuse_projections()
-        self.experts = [
-            LocalExperts(weights[f"layers.{l}.w_gate_up"], weights[f"layers.{l}.w_down"]) if cfg.moe_layers[l] else None
-            for l in range(cfg.num_layers)
-        ]
+        self.experts = list(experts)
+        self.observer = observer
         # per-layer routed-expert token counts of this rank's tokens, [L, E] int64 (routing statistics)
         self.expert_load = torch.zeros(cfg.num_layers, max(cfg.num_experts, 1), dtype=torch.int64, device=self.device)
         self._routed: list[tuple[int, torch.Tensor]] = []  # (layer, ids [T, K]) of this forward, for expert_load
-        self.on_route: Callable[[int, torch.Tensor], None] | None = None
-        # (layer, h [T, D]) residual stream entering a MoE layer's FFN: lookahead expert prefetch reads it
-        self.on_hidden: Callable[[int, torch.Tensor], None] | None = None
+
+    def set_experts(self, experts: list[Experts | None], observer: RoutingObserver = NO_OBSERVER) -> None:
+        """Use `experts` (per layer) and their `observer` from the next forward on: between steps, when the rank's
+        expert shard changes (an expert placement change, `actors.engine.eplb`)."""
+        self.experts = list(experts)
+        self.observer = observer
 
     def _fuse_projections(self) -> None:
         """One GEMM where the checkpoint has several reading the same input (decode is launch-bound:
@@ -113,23 +171,26 @@ class MoEModel:
         o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
         return linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
-    def moe(self, l: int, x_TD: torch.Tensor, gating: GatingBatch | None = None) -> torch.Tensor:
+    def moe(self, l: int, x_TD: torch.Tensor, ctx: StepContext = NO_CONTEXT,
+            observer: RoutingObserver = NO_OBSERVER) -> torch.Tensor:
         """Routed experts (+ shared expert) of MoE layer l. Ids of -1 (policies with fewer experts for
         some tokens) carry weight 0 and are never dispatched."""
         w, p, E = self.w, f"layers.{l}.", self.cfg.num_experts
         y = linear(x_TD, w[p + "moe_in_w"])  # [T, E (+ 2 I_s + 1)]: router logits, shared gate/up, shared gate
         logits = y[:, :E]
         shared_scale, may_pad = None, False
-        if self.gating_router is not None and gating is not None:
-            r = self.gating_router.route(l, logits, x_TD, gating)
+        if self.gating_router is not None and ctx.gating is not None:
+            r = self.gating_router.route(l, logits, x_TD, ctx.gating)
             topk_w, topk_ids, shared_scale, may_pad = r.weights, r.ids, r.shared_scale, r.may_pad  # [T, K'], [T]
         else:
             topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         if topk_ids.numel():
             self._routed.append((l, topk_ids))
-            if self.on_route is not None:
-                self.on_route(l, topk_ids)
-        out = self.dispatcher.run(l, x_TD, topk_ids, topk_w, self.experts[l], may_pad=may_pad)
+            observer.on_route(l, topk_ids)
+        rows, handle = self.dispatcher.dispatch(l, x_TD, topk_ids, may_pad=may_pad,
+                                                step_max_tokens=ctx.step_max_tokens)
+        y_RD = rows.run(self.experts[l], topk_w)  # this rank's experts, on the rows every rank sent them
+        out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
         if self.cfg.has_shared_expert:
             sg, su = y[:, E:-1].chunk(2, dim=-1)
             shared = linear(F.silu(sg) * su, w[p + "shared_down"])
@@ -141,16 +202,18 @@ class MoEModel:
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, gating: GatingBatch | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, ctx: StepContext = NO_CONTEXT) -> torch.Tensor:
         """Run every layer on the step's flattened tokens; returns final-normed hidden [T, D].
 
-        T may be 0 (a rank with no work still joins every layer's all-to-all). `gating` tells the gating
-        router which sequence each token belongs to (None: exact routing, no per-sequence state).
+        T may be 0 (a rank with no work still joins every layer's all-to-all). `ctx`: the step's gating batch
+        (which sequence each token belongs to), agreed step size and routing observer (`StepContext`).
         """
         cfg, w = self.cfg, self.w
+        observer = self.observer if ctx.observer is None else ctx.observer
+        observer.begin_step(meta, input_ids_T.shape[0], ctx.gating)
         h = F.embedding(input_ids_T, w["embed"]).to(self.dtype)
         if h.shape[0] == 0:  # a rank with no tokens only serves its experts to the others: no other op
-            return self._forward_empty(h)
+            return self._forward_empty(h, ctx)
         self._routed = []
         eps = cfg.rms_norm_eps
         x = rms_norm(h, w["layers.0.input_norm"], eps)
@@ -158,22 +221,26 @@ class MoEModel:
             p = f"layers.{l}."
             # residual add + the next norm in one call (`kernels.cpu.rms_norm`)
             h, x = rms_norm(self.attention(l, x, positions_T, cache, meta), w[p + "post_norm"], eps, residual=h)
-            if self.on_hidden is not None and cfg.moe_layers[l]:
-                self.on_hidden(l, h)
-            y = self.moe(l, x, gating) if cfg.moe_layers[l] else swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"])
+            if cfg.moe_layers[l]:
+                observer.on_hidden(l, h)
+                y = self.moe(l, x, ctx, observer)
+            else:
+                y = swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"])
             nxt = w[f"layers.{l + 1}.input_norm"] if l + 1 < cfg.num_layers else w["norm"]
             h, x = rms_norm(y, nxt, eps, residual=h)
         self._count_load()
         return x
 
-    def _forward_empty(self, h_0D: torch.Tensor) -> torch.Tensor:
+    def _forward_empty(self, h_0D: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """T == 0: join every MoE layer's dispatch (the collectives pair up across ranks) and run the rows other
         ranks send to this rank's experts; attention, norms and routing of zero tokens are skipped."""
         ids = torch.zeros(0, max(self.cfg.top_k, 1), dtype=torch.int64, device=h_0D.device)
         wts = torch.zeros(0, ids.shape[1], dtype=torch.float32, device=h_0D.device)
         for l in range(self.cfg.num_layers):
             if self.cfg.moe_layers[l]:
-                self.dispatcher.run(l, h_0D, ids, wts, self.experts[l], may_pad=False)
+                rows, handle = self.dispatcher.dispatch(l, h_0D, ids, may_pad=False,
+                                                        step_max_tokens=ctx.step_max_tokens)
+                self.dispatcher.combine(rows.run(self.experts[l], wts), handle, wts)
         return h_0D
 
     def _count_load(self) -> None:

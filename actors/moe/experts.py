@@ -1,9 +1,22 @@
-"""Routed experts held by one rank (reference implementation: full-precision weights).
+"""The routed experts of one layer on one rank: the `Experts` seam and its full-precision implementation.
+
+`Experts` is what the MoE block runs between dispatch and combine (`actors.moe.dispatch`): rows in any order,
+each with the local row of its expert (0..E_loc-1), results in the rows' order and dtype. Beside the general
+call it has the entries the dispatcher's rows may need: `ExpertRows` (what a dispatcher hands the experts)
+picks one in `run`: `run_padded` (a fixed-capacity exchange: rows with id -1 give zero rows), `combine_token`
+(one decode token through its K experts on one rank, weighted and summed; `run_token` without the sum).
+No entry is probed with getattr: every implementation has all four. The protocol's own bodies are the
+reference for those entries, built on `__call__`; an implementation subclasses it and overrides what it can do
+faster. `LocalExperts` (here) holds full-precision weights; `actors.experts.packed.PackedLayerExperts` packed
+ones with a dequantized cache.
 
 Shape legend: R = token rows received for this rank's experts, D = hidden, I = expert intermediate,
-E_loc = experts held on this rank.
+E_loc = experts held on this rank, K = experts per token.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +25,59 @@ from kernels import tuning
 from kernels.cpu import expert_ffn, linear
 
 
+class Experts(Protocol):
+    """The experts of one layer that live on this rank (local rows 0..E_loc-1)."""
+
+    def __call__(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
+        """y[r] = expert[local_ids[r]](x[r]): [R, D] in x's dtype; rows may be in any order, R may be 0."""
+        ...
+
+    def run_padded(self, x_RD: torch.Tensor, local_ids_R: torch.Tensor) -> torch.Tensor:
+        """Like `__call__`, but rows with id -1 (padding of a fixed-capacity exchange) give zero rows."""
+        y = torch.zeros(x_RD.shape, dtype=x_RD.dtype, device=x_RD.device)
+        real = (local_ids_R >= 0).nonzero().squeeze(1)
+        if real.numel():
+            y[real] = self(x_RD[real].contiguous(), local_ids_R[real])
+        return y
+
+    def run_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor) -> torch.Tensor:
+        """One token through K experts (decode at batch 1): returns [K, D], row k = expert[local_ids[k]](x)."""
+        return self(x_1D.expand(local_ids_K.numel(), x_1D.shape[1]).contiguous(), local_ids_K)
+
+    def combine_token(self, x_1D: torch.Tensor, local_ids_K: torch.Tensor, weights_1K: torch.Tensor) -> torch.Tensor:
+        """One token through K experts, summed with its routing weights: [1, D] = sum_k w_k expert_k(x)."""
+        y_KD = self.run_token(x_1D, local_ids_K)
+        return weights_1K.to(y_KD.dtype) @ y_KD  # [1, K] @ [K, D]
 
 
-class LocalExperts:
+@dataclass(slots=True)
+class ExpertRows:
+    """The rows a dispatcher hands this rank's experts (`actors.moe.dispatch`): x [R, D] and the local row of
+    each one's expert [R] (int64).
+
+    kind: "rows" (every row real), "padded" (rows with id -1 from a fixed-capacity exchange: zero results) or
+    "token" (one token [1, D] and its K local ids: the experts weigh and sum them, `combine_token`)."""
+
+    x_RD: torch.Tensor
+    local_ids_R: torch.Tensor
+    kind: str = "rows"
+
+    def run(self, experts: Experts, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        """The experts on these rows: [R, D] results (kind "token": [1, D], already weighted and summed)."""
+        if self.kind == "token":
+            return experts.combine_token(self.x_RD, self.local_ids_R, topk_w_TK)
+        if self.kind == "padded":
+            return experts.run_padded(self.x_RD, self.local_ids_R)
+        return experts(self.x_RD, self.local_ids_R)
+
+
+def local_experts(moe_layers: list[bool], weights: dict[str, torch.Tensor]) -> list[LocalExperts | None]:
+    """Per layer, `LocalExperts` over `layers.{l}.w_gate_up` / `layers.{l}.w_down` of `weights` (None: dense)."""
+    return [LocalExperts(weights[f"layers.{l}.w_gate_up"], weights[f"layers.{l}.w_down"]) if moe else None
+            for l, moe in enumerate(moe_layers)]
+
+
+class LocalExperts(Experts):
     """The experts of one layer that live on this rank.
 
     Args:

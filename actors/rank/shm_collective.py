@@ -1,14 +1,14 @@
 """Same-node all-to-all over POSIX shared memory: the CPU fast path for the decode step's small collectives.
 
-Why. On the 2-core CPU machine one gloo `all_to_all_single` of a few rows costs 0.55-0.85 ms
-(`python bench/collective_latency.py`), whatever the payload: TCP loopback, gloo's I/O threads and their
-wake-ups. A 4-layer decode step makes 9 of them (the step agreement, then dispatch and combine per MoE
-layer), so 2 ranks spend 5-8 ms per token in latency alone. Ranks on one node can exchange these few kB
+Why. On a small CPU machine one gloo `all_to_all_single` of a few rows costs a fixed latency whatever the
+payload (TCP loopback, gloo's I/O threads and their wake-ups; `python bench/collective_latency.py`, numbers in
+BENCHMARKS.md). A 4-layer decode step makes 9 of them (the step agreement, then dispatch and combine per MoE
+layer), so latency alone dominates a 2-rank decode step. Ranks on one node can exchange these few kB
 through shared memory instead, as vLLM's and SGLang's CPU backends do for their tensor-parallel
-collectives; this module measured ~0.1 ms per call on the same machine.
+collectives, at a fraction of gloo's latency.
 
 What goes through it. Only collectives whose sizes every rank knows in advance: the lockstep loop's flag
-exchange and the fixed-capacity decode dispatch (`actors.moe.dispatch.AllToAllDispatcher._run_fixed`), where
+exchange and the fixed-capacity decode dispatch (`actors.moe.exchange.FixedCapacityExchange`), where
 every rank sends every rank the same number of bytes. The uneven, counts-first all-to-all (prefill, large
 batches) stays on torch.distributed (gloo), as does everything else. All ranks run the same sequence of
 collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()` depends
@@ -124,6 +124,7 @@ class ShmAllToAll:
         self._calls = 0
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
+        self.closed = False
 
     @classmethod
     def setup(cls, store, rank: int, world: int, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -158,8 +159,9 @@ class ShmAllToAll:
         return inst
 
     def fits(self, nbytes_per_peer: int) -> bool:
-        """Whether a call sending `nbytes_per_peer` bytes to each rank goes through shared memory."""
-        return nbytes_per_peer <= self.slot_bytes
+        """Whether a call sending `nbytes_per_peer` bytes to each rank goes through shared memory (never after
+        `close`: the callers then take torch.distributed)."""
+        return not self.closed and nbytes_per_peer <= self.slot_bytes
 
     def _slot(self, bank: int, src: int, dst: int, nbytes: int) -> torch.Tensor:
         off = ((bank * self.world + src) * self.world + dst) * self.slot_bytes
@@ -221,7 +223,8 @@ class ShmAllToAll:
         self.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
-        """Detach from the segment (the name is already unlinked after `setup`)."""
+        """Detach from the segment (the name is already unlinked after `setup`); `fits` is False from then on."""
+        self.closed = True
         self._data = self._counters = None
         try:
             self.shm.close()

@@ -1,67 +1,38 @@
-"""The Ray actor that owns one rank, and the lockstep loop that keeps all ranks' collectives paired.
+"""The Ray actor that owns one rank: bring-up (process group, shared-memory transport, engine), the router's
+calls, expert placement epochs, health and statistics.
 
-Lockstep protocol. Every router call that may create work (a request, an abort, shutdown) is followed
-by a wake sequence number `seq` that is sent to every rank; for a request, the router draws it only
-after the owning rank holds the request. A rank sleeps (on a condition variable: no spinning) until it
-has seen a `seq` above the last agreed one. Each round, every rank reads its `seen_seq` and then
-checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens]` to one
-MAX over the group (an all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks
-therefore agree on whether to run a step (all of them do, with zero tokens if need be), on when to
-stop, and on `agreed_seq`, the SMALLEST seq seen: a rank goes back to sleep only when every rank has
-read its latest seq, so the work behind that seq was in this round's `has_work`. (With the largest
-seq, a rank whose request landed just after its work check could be told its own seq was agreed,
-while a peer that got the wake first reported no work: it slept with the request queued. Seen once
-as a hung request in `tests/cluster/test_cluster.py`.) Since every `seq` reaches every rank, a rank
-that wakes for `seq` is always joined by the others.
-
-Expert placement changes (EPLB rebalancing) ride on the same agreement: the launcher first has every
-rank `prepare_placement(placement, epoch)` (weights read off the step thread), then `commit_placement(epoch)`
-on every rank. A fourth flag carries `-committed_epoch`, so MAX gives minus the smallest epoch committed on
-all ranks; when that exceeds the applied epoch, every rank applies it in the same round, before the step.
-Sequences and KV caches are untouched, so requests in flight just continue under the new placement.
-
-Output channel. Outputs reach the router over a plain TCP stream (`open_output_channel`), not one Ray call per
-token: on the 2-core CPU machine a Ray `poll` round trip per decode step, and even a second thread woken per
-step to send, cost 1-1.5 ms of the rank's ~8 ms step (the GIL and the CPU are shared with the step thread); vLLM
-streams engine outputs over ZeroMQ for the same reason. The loop thread itself writes length-prefixed msgpack
-frames after each step (4-byte big-endian length, then `encode_outputs` bytes; an empty frame is a heartbeat,
-sent when idle for 1 s). An accept thread only authenticates the router (a per-channel random token, sent
-first) and hands the connection to the loop. A failed rank sends a `failed` frame first, then the error outputs of
-its requests: the router fails every in-flight request of the group with one retriable error when it reads the
-`failed` frame and rebuilds the group, whichever rank noticed the failure first (a survivor of a dead peer notices
-within milliseconds on the shared-memory transport). Outputs wait in the outbox while no channel is open (or
-after a broken one).
+The step thread is the lockstep loop (`actors.rank.lockstep`, whose docstring states the protocol that keeps
+every rank's collectives paired); outputs reach the router over the output channel
+(`actors.rank.output_channel`). The rank builds its transport before its engine and hands it to the engine's
+constructor (the dispatcher's same-node all-to-all), so nothing is wired into the engine afterwards.
 """
 from __future__ import annotations
 
-import hmac
 import os
-import secrets
-import socket
-import struct
 import threading
 import time
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
-from actors.engine.messages import GenerateRequest, TokenOutput, encode_failure, encode_outputs
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
+from actors.engine.messages import GenerateRequest
+from actors.rank.lockstep import LockstepLoop
+from actors.rank.output_channel import OutputChannel
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
 from kernels import tuning
 from kernels.cpu import cpu_kernels_available
 
-HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
 SHM_MAX_BYTES = 256 << 20  # the shared-memory transport's segment (both banks, all rank pairs) at most
 
 
-class RankWorker:
-    """One rank: engine + lockstep loop + outbox. Wrapped as a Ray actor by `cluster` (any process
+class RankWorker(LockstepLoop):
+    """One rank: engine + lockstep loop + output channel. Wrapped as a Ray actor by `cluster` (any process
     can host it; tests may use it in-process for world_size == 1).
 
     Methods are thread-safe; the engine itself runs only on the loop thread.
@@ -78,8 +49,6 @@ class RankWorker:
         self._cond = threading.Condition()
         self._wake_seq = 0
         self._stop = False
-        self._out_lock = threading.Lock()  # outbox and connection hand-over (accept thread <-> loop thread)
-        self._outbox: list[TokenOutput] = []
         self._failed: str | None = None
         self._thread: threading.Thread | None = None
         self.group = None
@@ -91,10 +60,9 @@ class RankWorker:
         self._applied_epoch = 0
         self._applied_step = 0
         self._pl_cond = threading.Condition()
-        self._channel: socket.socket | None = None  # listening socket of the output channel
-        self._new_conn: socket.socket | None = None  # authenticated, not yet adopted by the loop thread
-        self._conn: socket.socket | None = None  # the connection the loop thread writes to
-        self._last_send = 0.0
+        self.channel = OutputChannel(rank, host=self.node_ip, wake=lambda: self._bump(0),
+                                     loop_alive=lambda: self._thread is not None and self._thread.is_alive(),
+                                     failure=lambda: self._failed)
 
     # ------------------------------------------------------------------ bring-up
     def node_ip(self) -> str:
@@ -141,8 +109,7 @@ class RankWorker:
                 hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
                 slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
                 self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
-        self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group)
-        self.engine.dispatcher.shm = self.shm
+        self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
@@ -181,83 +148,9 @@ class RankWorker:
 
     # ------------------------------------------------------------------ output channel
     def open_output_channel(self) -> tuple[str, int, str]:
-        """Listen for the router's output connection; returns (host, port, token). One connection is served at a
-        time (a new one replaces the old); it must send the token (ASCII hex, newline-terminated) first."""
-        if self._channel is None:
-            host = self.node_ip()
-            srv = socket.socket()
-            srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            srv.bind((host, 0))
-            srv.listen(2)
-            self._channel = srv
-            self._channel_token = secrets.token_hex(16)
-            threading.Thread(target=self._serve_channel, name=f"rank{self.rank}-outputs", daemon=True).start()
-        host, port = self._channel.getsockname()[:2]
-        return host, port, self._channel_token
-
-    def _serve_channel(self) -> None:
-        while True:
-            try:
-                conn, _ = self._channel.accept()
-            except OSError:
-                return
-            try:
-                conn.settimeout(10.0)
-                got = b""
-                while not got.endswith(b"\n") and len(got) < 64:
-                    chunk = conn.recv(64 - len(got))
-                    if not chunk:
-                        break
-                    got += chunk
-                if not hmac.compare_digest(got.strip(), self._channel_token.encode()):
-                    conn.close()
-                    continue
-                conn.settimeout(30.0)  # a stuck peer fails a send instead of blocking the loop forever
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                conn.close()
-                continue
-            loop_alive = self._thread is not None and self._thread.is_alive()
-            with self._out_lock:
-                old, self._new_conn = self._new_conn, conn
-            if old is not None:
-                old.close()
-            if loop_alive:
-                self._bump(0)  # an idle loop adopts it at once (flushing what waited in the outbox)
-            else:  # the loop is gone (failed or stopped): deliver what is left from here
-                self._channel_tick(heartbeat=False)
-
-    def _channel_tick(self, heartbeat: bool = True) -> None:
-        """Loop thread: adopt a new connection, send the `failed` frame (a failed rank), waiting outputs, and a
-        heartbeat if due."""
-        with self._out_lock:
-            if self._new_conn is not None:
-                if self._conn is not None:
-                    self._conn.close()
-                self._conn, self._new_conn = self._new_conn, None
-            if self._conn is None:
-                return
-            out, self._outbox = self._outbox, []
-        if self._failed is not None:
-            self._send(encode_failure(self._failed), [])
-        if out and self._conn is not None:
-            self._send(encode_outputs(out), out)
-        if self._failed is None and heartbeat and time.monotonic() - self._last_send >= HEARTBEAT_S:
-            self._send(b"", [])
-
-    def _send(self, data: bytes, outs: list[TokenOutput]) -> None:
-        """One frame to the router; on a broken connection the outputs go back to the outbox (for the next
-        connection)."""
-        conn = self._conn
-        try:
-            conn.sendall(struct.pack(">I", len(data)) + data)
-            self._last_send = time.monotonic()
-        except OSError:
-            conn.close()
-            with self._out_lock:
-                if self._conn is conn:
-                    self._conn = None
-                self._outbox[:0] = outs
+        """Listen for the router's output connection (`actors.rank.output_channel.OutputChannel.open`); returns
+        (host, port, token)."""
+        return self.channel.open()
 
     def stats(self) -> dict:
         s = self.engine.stats() if self.engine else {}
@@ -331,90 +224,3 @@ class RankWorker:
 
     def prompt_logits(self, prompt_ids: list[int]) -> list[list[float]]:
         return self.engine.prompt_logits(prompt_ids).tolist()
-
-    # ------------------------------------------------------------------ loop
-    def _emit(self, outs: list[TokenOutput]) -> None:
-        """Loop thread: send the step's outputs on the channel (or keep them in the outbox until one is open)."""
-        if self._conn is not None and self._new_conn is None and not self._outbox:
-            if outs:
-                self._send(encode_outputs(outs), outs)
-            return
-        if outs:
-            with self._out_lock:
-                self._outbox.extend(outs)
-        self._channel_tick(heartbeat=False)
-
-    def _loop(self) -> None:
-        agreed, idle = 0, True
-        flag = torch.zeros(5, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
-        flags_in = torch.zeros(5 * self.world_size, dtype=torch.int64, device=self.engine.device)
-        try:
-            while True:
-                with self._cond:
-                    if (idle and self._wake_seq <= agreed and not self._stop
-                            and self._commit_epoch <= self._applied_epoch):
-                        self._cond.wait(timeout=HEARTBEAT_S)
-                    still_idle = (idle and self._wake_seq <= agreed and not self._stop
-                                  and self._commit_epoch <= self._applied_epoch)
-                    seen, stop, committed = self._wake_seq, self._stop, self._commit_epoch
-                if still_idle:
-                    self._channel_tick()  # a new connection, or a heartbeat
-                    continue
-                plan, t_max = None, None
-                if self.world_size > 1:
-                    # this rank's step is planned before the agreement, so the group learns its largest token
-                    # count (the dispatcher's fixed capacity) in the same agreement
-                    plan = self.engine.plan() if self.engine.has_work and not stop else None
-                    n = plan.num_tokens if plan is not None else 0
-                    flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), -seen, int(stop), -committed, n
-                    t0 = time.perf_counter()
-                    # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
-                    # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
-                    if self.shm is not None:
-                        self.shm.all_to_all_single(flags_in, flag.repeat(self.world_size))
-                    else:
-                        dist.all_to_all_single(flags_in, flag.repeat(self.world_size), group=self.group)
-                    self.engine.timing["sync_s"] += time.perf_counter() - t0
-                    work, agreed, stop, committed, t_max = flags_in.view(self.world_size, 5).amax(0).tolist()
-                    agreed, committed = -agreed, -committed  # the smallest seq seen, the smallest epoch committed
-                else:  # alone: nothing to agree on (and no tensor ops on the decode path)
-                    work, agreed = self.engine.has_work, seen
-                if stop:
-                    break
-                if committed > self._applied_epoch:  # committed on every rank: switch now, all together
-                    self._apply_placement(committed)
-                if not work:
-                    idle = True
-                    continue
-                idle = False
-                if plan is None:  # alone, or the others have work: an empty step if nothing was planned here
-                    plan = self.engine.plan(schedule=self.world_size == 1)
-                self._emit(self.engine.run(plan, t_max))
-        except Exception as e:  # noqa: BLE001 - a dead peer or a bug: fail in-flight requests loudly
-            self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
-            traceback.print_exc()
-            self._fail_all(self._failed)
-            self._channel_tick(heartbeat=False)  # the `failed` frame, then the error outputs
-            with self._pl_cond:
-                self._pl_cond.notify_all()
-        finally:
-            if self.world_size > 1 and dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001
-                    pass
-            if self.shm is not None:
-                self.engine.dispatcher.shm = None
-                self.shm.close()
-
-    def _fail_all(self, err: str) -> None:
-        eng = self.engine
-        eng._drain_inbox()
-        seqs = list(eng.scheduler.running) + list(eng.scheduler.waiting)
-        outs = []
-        for s in seqs:
-            eng.scheduler.abort(s.request_id)
-            eng._release(s.request_id)
-            outs.append(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
-        with self._out_lock:  # sent by the next channel tick, after the `failed` frame
-            self._outbox.extend(outs)

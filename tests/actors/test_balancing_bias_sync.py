@@ -12,8 +12,9 @@ from actors.rank.rendezvous import host_store, join_store
 
 def _worker(rank, world, port, model_dir, q):
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import BIAS_SYNC_STEPS, EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import BIAS_SYNC_STEPS, RankEngine
     from actors.engine.messages import GenerateRequest
     from actors.engine.sampling import SamplingParams
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from actors.model.attention import AttentionMetadata, paged_attention_ref
-from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.dispatch import AllToAllDispatcher
+from actors.moe.placement import ExpertPlacement
 from actors.moe.experts import LocalExperts
 from actors.model.layers import Rotary, rms_norm
 from kernels.gating import topk_softmax_ref

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.dispatch import AllToAllDispatcher
+from actors.moe.placement import ExpertPlacement
 from actors.moe.experts import LocalExperts
 from actors.rank.rendezvous import host_store, join_store
 from kernels.gating import topk_softmax_ref
@@ -37,15 +38,15 @@ def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
     loc = pl.local_experts(0, rank)
     experts = LocalExperts(wgu[loc], wd[loc])
     experts = LocalExperts(experts.w_gate_up.to(dtype), experts.w_down.to(dtype))
-    disp = AllToAllDispatcher(pl, rank)
-    if shm:  # the same-node transport of the fixed exchange and the count exchange
-        disp.shm = ShmAllToAll.setup(store, rank, world, timeout_s=30.0)
-    if fixed:  # what the lockstep loop agrees on: the largest token count of the step on any rank
-        disp.step_max_tokens, disp.max_experts_per_token = max(len(t) for t in xs), K
+    # shm: the same-node transport of the fixed exchange and the count exchange
+    transport = ShmAllToAll.setup(store, rank, world, timeout_s=30.0) if shm else None
+    disp = AllToAllDispatcher(pl, rank, shm=transport, max_experts_per_token=K)
+    # fixed: what the lockstep loop agrees on, the largest token count of the step on any rank
+    step_max_tokens = max(len(t) for t in xs) if fixed else None
     x = xs[rank]
     w, ids = topk_softmax_ref(x @ gate.T, K, False)
     for _ in range(3):  # several layers/steps in a row keep the collectives paired
-        out = disp.run(0, x.to(dtype), ids, w, experts).float()
+        out = disp.run(0, x.to(dtype), ids, w, experts, step_max_tokens=step_max_tokens).float()
     if fixed:
         assert disp.sent_rows.sum().item() == 3 * ids.numel()
     if shm:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.engine.engine import EngineConfig
+from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
 from tests.actors.test_engine_kv_profile import CODE, PROSE, _engine, _req, _run

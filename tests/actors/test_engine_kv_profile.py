@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.kv.profile_choice import AUTO
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, served_kv_profiles

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.experts.cold_tier import ColdExpertTier
 from actors.experts.packed import PackedLayerExperts
 from actors.experts.worker import PrefetchWorker

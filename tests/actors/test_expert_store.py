@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from actors.model.config import ModelConfig
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.experts.build import quantize_local_experts
 from actors.experts.cache import ExpertCache
 from actors.experts.calibration import calibrate
@@ -284,7 +285,8 @@ def test_list_bookkeeping_matches_tensor_bookkeeping(qwen_dir, monkeypatch, pred
         monkeypatch.setattr(tuning, "SMALL_STEP_CELLS", cells)
         eng = make_engine(qwen_dir, weight_bits=4)
         m = eng.model
-        rt = es.build_runtime(model_cfg=m.cfg, model=m, local=eng.expert_runtime.local,
+        rt = es.build_runtime(model_cfg=m.cfg, weights=m.w, dtype=m.dtype, device=m.device,
+                              local=eng.expert_runtime.local,
                               packed=[None if s is None else s.packed for s in eng.expert_runtime.layers],
                               model_path=None, capacity=2, prefetch=predictor, async_prefetch=False)
         eng.expert_runtime.detach()

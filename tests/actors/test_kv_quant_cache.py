@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from actors.model.attention import AttentionMetadata
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.kv.calibration import collect_calibration_kv, fit_model_profile
 from actors.kv.profiles import load_profiles, profile_filename, save_profile
 from actors.kv.quantized import QuantizedPagedKVCache

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from actors.moe.dispatch import ExpertPlacement
+from actors.moe.placement import ExpertPlacement
 from actors.engine.engine import RankEngine
 from actors.engine.messages import GenerateRequest
 from actors.rank.worker import RankWorker
@@ -51,9 +51,8 @@ def test_a_request_landing_after_the_work_check_is_not_slept_on(tmp_path):
     w = RankWorker(0, 2, {"model": path, "max_model_len": 64, "kv_cache_bytes": 1 << 20},
                    ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 2).to_dict())
     peer = ScriptedPeer()
-    w.engine = RankEngine(w.engine_cfg, w.placement, 0, None)
     w.shm = peer
-    w.engine.dispatcher.shm = peer
+    w.engine = RankEngine(w.engine_cfg, w.placement, 0, None, shm=peer)
     w._thread = threading.Thread(target=w._loop, daemon=True)
     w._thread.start()
     # round 1: woken for seq 1 with nothing queued here; while the exchange is in flight the request lands on

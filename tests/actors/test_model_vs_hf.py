@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.moe.dispatch import ExpertPlacement
-from actors.engine.engine import EngineConfig, RankEngine
+from actors.moe.placement import ExpertPlacement
+from actors.engine.config import EngineConfig
+from actors.engine.engine import RankEngine
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import SamplingParams
 from tests.reference import agree_until_small_margin, hf_greedy

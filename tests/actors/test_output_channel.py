@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from actors.moe.dispatch import ExpertPlacement
+from actors.moe.placement import ExpertPlacement
 from actors.engine.messages import GenerateRequest, decode_frame
-from actors.rank.worker import HEARTBEAT_S, RankWorker
+from actors.rank.output_channel import HEARTBEAT_S
+from actors.rank.worker import RankWorker
 from actors.engine.sampling import SamplingParams
 from tests.tiny_models import build_tiny_model
 

@@ -21,7 +21,7 @@ def test_the_store_port_cannot_be_taken_while_the_store_lives():
 
 
 def test_only_rank_zero_opens_the_rendezvous():
-    from actors.moe.dispatch import ExpertPlacement
+    from actors.moe.placement import ExpertPlacement
     from actors.rank.worker import RankWorker
 
     # the constructor loads nothing (weights come in setup)

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement, water_fill
+from actors.moe.dispatch import AllToAllDispatcher
+from actors.moe.placement import ExpertPlacement, water_fill
 from actors.moe.experts import LocalExperts
 from actors.rank.rendezvous import host_store, join_store
 from cluster.metrics import aggregate_stats, balancedness
@@ -228,7 +229,8 @@ def model_path(tiny_model_dir):
 @pytest.mark.parametrize("weight_bits", [None, 4])
 def test_engine_apply_placement_keeps_logits(model_path, weight_bits):
     from actors.model.config import ModelConfig
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
 
     mc = ModelConfig.from_pretrained(model_path)
     cfg = EngineConfig(model=model_path, max_model_len=64, kv_cache_bytes=1 << 20, weight_bits=weight_bits)

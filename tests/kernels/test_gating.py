@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from actors.moe.dispatch import AllToAllDispatcher, ExpertPlacement
+from actors.moe.dispatch import AllToAllDispatcher
+from actors.moe.placement import ExpertPlacement
 from actors.moe.experts import LocalExperts
 from kernels.gating import topk_softmax_ref
 

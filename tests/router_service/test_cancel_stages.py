@@ -36,8 +36,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.fixture
 def engine(tiny_moe_dir):
     from actors.model.config import ModelConfig
-    from actors.moe.dispatch import ExpertPlacement
-    from actors.engine.engine import EngineConfig, RankEngine
+    from actors.moe.placement import ExpertPlacement
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
 
     mc = ModelConfig.from_pretrained(tiny_moe_dir)
     cfg = EngineConfig(model=tiny_moe_dir, max_model_len=CTX, kv_cache_bytes=1 << 20, max_num_seqs=2)

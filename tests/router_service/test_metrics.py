@@ -37,7 +37,7 @@ def by_layer(d: dict[tuple, float], key: str = "expert") -> dict[int, dict[int, 
 
 # ------------------------------------------------------------------------------------------- unit: cluster.metrics
 def test_aggregate_balancedness_and_routing():
-    from actors.moe.dispatch import ExpertPlacement
+    from actors.moe.placement import ExpertPlacement
     from cluster.metrics import aggregate_stats, balancedness
 
     nan = float("nan")
@@ -65,7 +65,7 @@ def test_aggregate_balancedness_and_routing():
 
 
 def test_aggregate_without_routing_reports_none():
-    from actors.moe.dispatch import ExpertPlacement
+    from actors.moe.placement import ExpertPlacement
     from cluster.metrics import aggregate_stats
 
     rank = {"rank": 0, "expert_load": [[1, 1]], "kv_blocks_total": 4, "kv_blocks_free": 4, "running": 0, "waiting": 0}
@@ -214,7 +214,7 @@ def test_metrics_after_requests(served):
 
 
 def test_aggregate_reads_expert_cache_summary():
-    from actors.moe.dispatch import ExpertPlacement
+    from actors.moe.placement import ExpertPlacement
     from cluster.metrics import aggregate_stats
 
     nan = float("nan")

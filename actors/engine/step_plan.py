@@ -1,0 +1,99 @@
+"""What one engine step runs: the scheduled sequences flattened into token ids, positions, attention metadata
+and the gating batch (`StepPlan`), built from the scheduler's prefills and decodes.
+
+Token layout (every consumer relies on it): the prefills' whole prompts first, in scheduling order, then one
+token per decode sequence, in order; so decode token i of a decode-only step is sequence i's new token.
+
+Shape legend: T = tokens in the step, M = most KV blocks of a decode sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from actors.engine.scheduler import Sequence
+from actors.model.attention import AttentionMetadata
+from actors.moe.gating import POLICIES, GatingBatch
+
+
+@dataclass(kw_only=True, slots=True)
+class StepPlan:
+    """One scheduled step: its sequences (prefills first), flattened token ids [T] and positions [T] (int64),
+    attention metadata and gating batch. `num_tokens` = T."""
+
+    seqs: list[Sequence]
+    ids: torch.Tensor
+    pos: torch.Tensor
+    meta: AttentionMetadata
+    gating: GatingBatch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.numel()
+
+
+def build_metadata(prefills: list[Sequence], decodes: list[Sequence], bs: int, dev: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(token ids [T], positions [T], attention metadata) of a step; `bs`: tokens per KV block."""
+    ids, pos, slots = [], [], []
+    pf_meta = []
+    for seq in prefills:
+        toks = seq.all_ids
+        start = len(ids)
+        ids += toks
+        pos += range(len(toks))
+        slots += [seq.block_table[i // bs] * bs + i % bs for i in range(len(toks))]
+        pf_meta.append((start, len(toks), len(toks), torch.tensor(seq.block_table, dtype=torch.int64)))
+    dec_tok = []
+    for seq in decodes:
+        i = seq.length - 1
+        dec_tok.append(len(ids))
+        ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])  # no O(length) copy
+        pos.append(i)
+        slots.append(seq.block_table[i // bs] * bs + i % bs)
+    M = max((len(s.block_table) for s in decodes), default=0)
+    # one tensor from padded host lists (not one small tensor op per sequence)
+    tables = torch.tensor([s.block_table + [0] * (M - len(s.block_table)) for s in decodes],
+                          dtype=torch.int64).view(len(decodes), M)
+    lens = [s.length for s in decodes]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        decode_tokens=torch.tensor(dec_tok, dtype=torch.int64, device=dev),
+        decode_block_tables=tables.to(dev),
+        decode_context_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
+        prefills=[(a, b, c, t.to(dev)) for a, b, c, t in pf_meta],
+        decode_context_lens_host=lens,
+    )
+    return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
+
+
+def build_gating_batch(seqs: list[Sequence], pos: torch.Tensor, meta: AttentionMetadata, *, slot_of: dict[str, int],
+                       free_slots: list[int], running: list[Sequence], default: str, dev: torch.device) -> GatingBatch:
+    """Token -> gating slot (and per-request policy) for this step; tokens are laid out as in `build_metadata`.
+
+    A sequence without a slot takes one from `free_slots` into `slot_of` (both updated in place); when none is
+    free, the slots of requests neither in `running` nor in this step go back first (preempted sequences restart
+    at position 0: their slots are stale). `default`: the deployment's gating policy."""
+    counts = [n for _, n, _, _ in meta.prefills] + [1] * (len(seqs) - len(meta.prefills))
+    slots, pols = [], []
+    for seq in seqs:
+        slot = slot_of.get(seq.request_id)
+        if slot is None:
+            if not free_slots:  # preempted sequences restart at position 0: their slots are stale
+                live = {s.request_id for s in running} | {s.request_id for s in seqs}
+                for rid in [r for r in slot_of if r not in live]:
+                    free_slots.append(slot_of.pop(rid))
+            slot = slot_of[seq.request_id] = free_slots.pop()
+        slots.append(slot)
+        pols.append(POLICIES.index(seq.params.gating or default))
+    if meta.prefills:
+        rep = torch.tensor(counts, dtype=torch.int64)
+        expand = lambda vals: torch.repeat_interleave(torch.tensor(vals, dtype=torch.int64), rep).to(dev)  # noqa: E731
+    else:  # decode only: one token per sequence
+        expand = lambda vals: torch.tensor(vals, dtype=torch.int64, device=dev)  # noqa: E731
+    slot_T = expand(slots)
+    policy_T = None
+    if any(p != pols[0] for p in pols) or (pols and POLICIES[pols[0]] != default):
+        policy_T = expand(pols)
+    return GatingBatch(slots_T=slot_T, positions_T=pos, policy_T=policy_T)

@@ -1,0 +1,103 @@
+"""The lockstep loop of one rank: the step thread that keeps every rank's collectives paired.
+
+Lockstep protocol. Every router call that may create work (a request, an abort, shutdown) is followed
+by a wake sequence number `seq` that is sent to every rank; for a request, the router draws it only
+after the owning rank holds the request. A rank sleeps (on a condition variable: no spinning) until it
+has seen a `seq` above the last agreed one. Each round, every rank reads its `seen_seq` and then
+checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens]` to one
+MAX over the group (an all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks
+therefore agree on whether to run a step (all of them do, with zero tokens if need be), on when to
+stop, and on `agreed_seq`, the SMALLEST seq seen: a rank goes back to sleep only when every rank has
+read its latest seq, so the work behind that seq was in this round's `has_work`. (With the largest
+seq, a rank whose request landed just after its work check could be told its own seq was agreed,
+while a peer that got the wake first reported no work: it slept with the request queued. Seen once
+as a hung request in `tests/cluster/test_cluster.py`.) Since every `seq` reaches every rank, a rank
+that wakes for `seq` is always joined by the others. The fifth flag, the largest planned token count,
+lets every rank's dispatcher choose the fixed-capacity exchange for the step (`StepContext.step_max_tokens`).
+
+Expert placement changes (EPLB rebalancing) ride on the same agreement: the launcher first has every
+rank `prepare_placement(placement, epoch)` (weights read off the step thread), then `commit_placement(epoch)`
+on every rank. A fourth flag carries `-committed_epoch`, so MAX gives minus the smallest epoch committed on
+all ranks; when that exceeds the applied epoch, every rank applies it in the same round, before the step.
+Sequences and KV caches are untouched, so requests in flight just continue under the new placement.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from actors.rank.output_channel import HEARTBEAT_S
+
+
+class LockstepLoop:
+    """The step thread of `actors.rank.worker.RankWorker` (a mixin: `_loop` runs on the worker's state).
+
+    Reads the worker's `engine`, `world_size`, `group`, `shm`, `channel`, its wake state under `_cond`
+    (`_wake_seq`, `_stop`, `_commit_epoch`) and `_applied_epoch`; calls `_apply_placement`; on an error sets
+    `_failed`, fails every request and wakes `commit_placement` waiters (`_pl_cond`).
+    """
+
+    def _loop(self) -> None:
+        agreed, idle = 0, True
+        flag = torch.zeros(5, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
+        flags_in = torch.zeros(5 * self.world_size, dtype=torch.int64, device=self.engine.device)
+        try:
+            while True:
+                with self._cond:
+                    if (idle and self._wake_seq <= agreed and not self._stop
+                            and self._commit_epoch <= self._applied_epoch):
+                        self._cond.wait(timeout=HEARTBEAT_S)
+                    still_idle = (idle and self._wake_seq <= agreed and not self._stop
+                                  and self._commit_epoch <= self._applied_epoch)
+                    seen, stop, committed = self._wake_seq, self._stop, self._commit_epoch
+                if still_idle:
+                    self.channel.tick()  # a new connection, or a heartbeat
+                    continue
+                plan, t_max = None, None
+                if self.world_size > 1:
+                    # this rank's step is planned before the agreement, so the group learns its largest token
+                    # count (the dispatcher's fixed capacity) in the same agreement
+                    plan = self.engine.plan() if self.engine.has_work and not stop else None
+                    n = plan.num_tokens if plan is not None else 0
+                    flag[0], flag[1], flag[2], flag[3], flag[4] = int(plan is not None), -seen, int(stop), -committed, n
+                    t0 = time.perf_counter()
+                    # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
+                    # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
+                    if self.shm is not None:
+                        self.shm.all_to_all_single(flags_in, flag.repeat(self.world_size))
+                    else:
+                        dist.all_to_all_single(flags_in, flag.repeat(self.world_size), group=self.group)
+                    self.engine.timing["sync_s"] += time.perf_counter() - t0
+                    work, agreed, stop, committed, t_max = flags_in.view(self.world_size, 5).amax(0).tolist()
+                    agreed, committed = -agreed, -committed  # the smallest seq seen, the smallest epoch committed
+                else:  # alone: nothing to agree on (and no tensor ops on the decode path)
+                    work, agreed = self.engine.has_work, seen
+                if stop:
+                    break
+                if committed > self._applied_epoch:  # committed on every rank: switch now, all together
+                    self._apply_placement(committed)
+                if not work:
+                    idle = True
+                    continue
+                idle = False
+                if plan is None:  # alone, or the others have work: an empty step if nothing was planned here
+                    plan = self.engine.plan(schedule=self.world_size == 1)
+                self.channel.emit(self.engine.run(plan, t_max))
+        except Exception as e:  # noqa: BLE001 - a dead peer or a bug: fail in-flight requests loudly
+            self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
+            traceback.print_exc()
+            self.channel.push(self.engine.fail_all(self._failed))  # sent by the next tick, after `failed`
+            self.channel.tick(heartbeat=False)  # the `failed` frame, then the error outputs
+            with self._pl_cond:
+                self._pl_cond.notify_all()
+        finally:
+            if self.world_size > 1 and dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001
+                    pass
+            if self.shm is not None:
+                self.shm.close()  # the dispatcher's `fits` checks then fail: torch.distributed from here on
