@@ -43,7 +43,7 @@ from actors.moe.placement import ExpertPlacement
 from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.experts.build import build_runtime, quantize_local_experts
-from actors.experts.calibration import record_routing, transitions_from_traces
+from router_service.routing.calibration import record_routing, transitions_from_traces
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import SamplingParams
 from cluster.config import DEFAULT_MODEL

@@ -44,7 +44,7 @@ from cluster.config import DEFAULT_MODEL
 from experts import decode_tpot, held_out_sequences
 from actors.moe.gating import POLICIES, GatingConfig
 from actors.moe.gating_router import GatingRouter
-from actors.prefetch.fitting import RoutingTrace
+from router_service.routing.fitting import RoutingTrace
 from actors.prefetch.predictors import DEFAULT_PREDICTOR, make_predictor
 from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
 from router_service.routing.prequential import prequential_eval

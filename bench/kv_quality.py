@@ -13,7 +13,7 @@ Rows:
                  tokens, values per token over groups of 32 channels, fp16 scale + zero per group (b + 1
                  bits); the incomplete group stays in full precision
   kivi<b>-m      the same at matched bits: key groups of 128 tokens, value groups of 64 channels (b + 0.375)
-  ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv.profiles.RECOMMENDED_FIT_OPTIONS`
+  ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`
                  through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"),
                  pre-RoPE per-channel keys with calibrated ranges, per-token values with an fp16 scale and a
                  per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block

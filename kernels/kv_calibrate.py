@@ -166,7 +166,7 @@ def fit_kv_profile(
             row costs ceil(B / 8) bytes per token and head.
         query_energy: [H, D] float >= 0, the weight of channel d's squared key error: for RoPE'd attention,
             the mean over calibration queries of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's
-            query heads (`actors.kv.profiles.collect_calibration_kv(..., with_query_energy=True)`). A
+            query heads (`actors.kv.calibration.collect_calibration_kv(..., with_query_energy=True)`). A
             pre-RoPE key error e_d moves the logit by q_rot . R e, whose mean square over the pair's
             rotation angle is that pair energy times e_d**2 / 2 (rotation-invariant, so post-RoPE queries
             give it). None = equal weights.

@@ -4,7 +4,7 @@
 
 runs the model on the text in non-overlapping windows, collects every layer's pre-RoPE keys and values,
 fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer with the shipped
-recipe for that width (`actors.kv.profiles.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
+recipe for that width (`actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
 `<OUT>/<domain>-<bits>bit.safetensors` + `.json` (or exactly OUT, if it ends in `.safetensors`).
 A progress bar (tqdm) goes to stderr.
 """
@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (HF layout)")
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens at most")
     p.add_argument("--window", type=int, default=1024, help="tokens per forward")
-    # Fit options left unset take the shipped recipe for --bits (actors.kv.profiles.RECOMMENDED_FIT_OPTIONS).
+    # Fit options left unset take the shipped recipe for --bits (actors.kv.calibration.RECOMMENDED_FIT_OPTIONS).
     recipe = "(default: the shipped recipe for --bits)"
     p.add_argument("--n-outlier", type=int, default=None, help=f"key outlier channels per KV head kept in fp16 {recipe}")
     p.add_argument("--n-outlier-v", type=int, default=None,
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-v-zero", action="store_true", help="do not subtract the per-channel value mean")
     p.add_argument("--k-channel-bits", type=int, default=None, metavar="B",
                    help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
-                        "(kernels.kv_quant.fit_kv_profile); 0: one width for every channel. Default: the shipped "
+                        "(kernels.kv_calibrate.fit_kv_profile); 0: one width for every channel. Default: the shipped "
                         "recipe for --bits (152 bits at 2 bits, 256 at 4, per 64-channel row, scaled to the model's head_dim)")
     p.set_defaults(func=cmd_calibrate)
 

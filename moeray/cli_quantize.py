@@ -84,7 +84,7 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     from actors.moe.placement import ExpertPlacement
     from actors.engine.config import EngineConfig
     from actors.engine.engine import RankEngine
-    from actors.experts.calibration import calibrate
+    from router_service.routing.calibration import calibrate
     from actors.prefetch.transitions import TRANSITIONS_FILE
 
     mc = ModelConfig.from_pretrained(model)

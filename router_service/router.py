@@ -1,7 +1,7 @@
 """Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
 
 One poller thread per rank reads the rank's output channel (a TCP stream of msgpack frames, see
-`actors.rank.worker`) and routes each `TokenOutput` to its request's stream (`router_service.stream`).
+`actors.rank.output_channel`) and routes each `TokenOutput` to its request's stream (`router_service.stream`).
 A request's stream ends with exactly one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When

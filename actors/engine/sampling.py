@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from actors.kv.profile_choice import AUTO as KV_PROFILE_AUTO
 from actors.moe.gating import POLICIES
 
 MAX_STOP_STRINGS = 16
 # KV quantization profile names a request may give: the calibration domain ("prose", "code") or "auto".
 # No path separators, so a request can only pick among the profiles the ranks loaded, never name a file.
-KV_PROFILE_AUTO = "auto"  # == actors.kv.profiles.AUTO (not imported: that module pulls in the kernels)
 MAX_KV_PROFILE_LEN = 64
 _KV_PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -67,7 +67,7 @@ class SamplingParams:
     it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
     gating: this request's gating policy (`actors.moe.gating.POLICIES`), None = the deployment's.
     kv_profile: this request's KV quantization profile (a calibrated profile name such as "prose" or "code", or
-    "auto": chosen from the prompt text by `actors.kv.profiles.choose_profile`); None = the deployment's
+    "auto": chosen from the prompt text by `actors.kv.profile_choice.choose_profile`); None = the deployment's
     default (`--kv-profile`). Only a quantized KV cache (`--kv-bits`) has profiles: there, a name the ranks did
     not load is an error; on a full-precision cache any name but "auto" is an error (`check_kv_profile`).
 

@@ -8,7 +8,7 @@ Layout of a packed folder DST (written by `write_packed_checkpoint`, i.e. `moera
       {moe}.experts.packed.gate_up.{qcodes,qscales,qzeros,qcodebook?,qmeta}   stack (E, 2I, D), gate rows first
       {moe}.experts.packed.down.{...}                                        stack (E, D, I)
       ({moe} = model.layers.{l}.mlp, or model.layers.{l}.block_sparse_moe for Mixtral; the tensors are
-      `kernels.packed_weights.PackedWeight.to_tensors` of the stacks, expert e at row e)
+      `kernels.packed_format.PackedWeight.to_tensors` of the stacks, expert e at row e)
   quantization_config.json                                   {"format": "moeray-packed", "version": 1, bits,
                                                              group_size, codebook, effective_bits, ...}
   expert_transitions.safetensors (optional)                  Markov calibration counts
@@ -80,7 +80,7 @@ def write_packed_checkpoint(src: str, dst: str, *, bits: int, group_size: int = 
     Returns:
         the quantization config written (includes `effective_bits` over all routed-expert weights).
     Raises:
-        ValueError: `dst` is `src`, or bits / group_size unsupported (from `kernels.packed_weights.quantize`).
+        ValueError: `dst` is `src`, or bits / group_size unsupported (from `kernels.packed_quantize.quantize`).
         FileNotFoundError: `src` has no config.json or no safetensors.
     """
     from safetensors.torch import save_file

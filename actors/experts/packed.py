@@ -5,7 +5,7 @@ Shape legend: R = token rows received for this rank's experts, D = hidden, I = e
 E_loc = this rank's experts of a layer, K = experts per token.
 
 Per MoE layer the rank keeps
-  * its E_loc experts packed (`kernels.packed_weights.PackedExperts`, fused gate_up), resident (all of them,
+  * its E_loc experts packed (`kernels.packed_format.PackedExperts`, fused gate_up), resident (all of them,
     unless the cold tier, `cold_tier.ColdExpertTier`, is on);
   * an `ExpertCache` of up to C_loc of them dequantized in the compute dtype (C experts per layer overall,
     C_loc = ceil(C * E_loc / E) on this rank).

@@ -23,7 +23,7 @@ K_CHANNEL_BITS_2 = 152
 # 512 tokens) where the single-width k-means recipe missed the 97% target (BENCHMARKS.md, KV section).
 K_CHANNEL_BITS_4 = 256
 # The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
-# bench/kv_quality.py reports as `ours<b>`): `kernels.kv_quant.fit_kv_profile` options. Chosen on tiny-moe's
+# bench/kv_quality.py reports as `ours<b>`): `kernels.kv_calibrate.fit_kv_profile` options. Chosen on tiny-moe's
 # held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
 # measurable and cost 0.125 bits/element per channel and head, so there are none; at 2 bits the keys carry
 # most of the error (2-bit keys alone: +1.5% prose / +6% code; 2-bit values alone: +0.6% / -0.8%), so keys
@@ -56,7 +56,7 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
         with_query_energy: also return, per layer, the query energy of each key channel ([H, D] fp32):
             the mean over tokens of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's query heads,
             from the post-RoPE queries (the pair sum is rotation-invariant). It weights key errors in
-            `kernels.kv_quant.fit_kv_profile(query_energy=...)`.
+            `kernels.kv_calibrate.fit_kv_profile(query_energy=...)`.
     Returns:
         (k, v) or, with_query_energy, (k, v, q_energy): per layer, k / v [N, H, D] fp32 tensors on CPU,
         N = len(token_ids); q_energy [H, D] fp32.
@@ -101,7 +101,7 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
 def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], *, name: str, bits: int,
                       meta: dict | None = None, query_energy: list[torch.Tensor] | None = None,
                       **fit_kw) -> ModelKVProfile:
-    """Fit one KVQuantProfile per layer (`kernels.kv_quant.fit_kv_profile`, keyword options in `fit_kw`).
+    """Fit one KVQuantProfile per layer (`kernels.kv_calibrate.fit_kv_profile`, keyword options in `fit_kw`).
 
     Args:
         k_layers, v_layers: per layer [N, H, D] pre-RoPE keys and values (from collect_calibration_kv).
@@ -130,7 +130,7 @@ def model_effective_bits(profile: ModelKVProfile, num_tokens: int, *, block_size
     Counts, per layer: sealed tokens at quantized size (codes, V scales, outlier values), the sink and the
     unsealed tail at `full_precision_bytes` bytes per element, and the profile's tensors amortised over this
     one sequence (a pessimistic bound: they are shared by every sequence). Layers hold equal element counts,
-    so the model figure is the mean over layers (`kernels.kv_quant.effective_bits`).
+    so the model figure is the mean over layers (`kernels.kv_profile.effective_bits`).
 
     Raises: ValueError if num_tokens < 1.
     """

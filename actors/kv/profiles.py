@@ -1,6 +1,6 @@
 """KV quantization profiles of a whole model: the data (`ModelKVProfile`), its files, and name resolution.
 
-A model profile is one `kernels.kv_quant.KVQuantProfile` per layer (KVQuant, arXiv 2401.18079: per-channel
+A model profile is one `kernels.kv_profile.KVQuantProfile` per layer (KVQuant, arXiv 2401.18079: per-channel
 pre-RoPE key scales and non-uniform codebooks calibrated offline), calibrated on one text domain
 (`moeray calibrate`, actors/kv/calibration.py). Invariants (checked in `ModelKVProfile.__post_init__`): every
 layer has the same bits, (H, D), outlier counts and key row bytes, so one profile has one page layout.

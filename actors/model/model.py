@@ -89,7 +89,7 @@ class MoEModel:
         cfg: model configuration. weights: dict from `actors.model.weights.load_rank_weights`.
         dispatcher: how routed-expert pairs reach the experts (local or all-to-all).
         experts: per layer, this rank's routed experts of that layer (None for dense layers).
-        gating_router: a `actors.moe.gating.GatingRouter`; it picks the experts when `forward` gets a gating
+        gating_router: a `actors.moe.gating_router.GatingRouter`; it picks the experts when `forward` gets a gating
             batch (otherwise, or without a router, the model's own top-k routing, `exact`, runs).
         observer: the `RoutingObserver` of every forward (default: none).
         max_positions: RoPE table length (default: the config's max_position_embeddings).

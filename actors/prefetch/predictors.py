@@ -6,7 +6,7 @@ E = routed experts, L = layers, D = hidden. Expert ids are int64 global ids; -1 
 The interface is `actors.prefetch.base.ExpertPredictor`. Predictors (all evaluated prequentially by
 `router_service.routing.prequential.prequential_eval`: each prediction is made before the token is
 routed at that layer, and the predictor learns from the truth right after; the fits, `fit_loglinear` and
-`fit_lookahead_gates`, are in `actors.prefetch.fitting`):
+`fit_lookahead_gates`, are in `router_service.routing.fitting`):
   none      - predicts nothing (baseline: every non-resident expert is a miss).
   frequent  - the layer's most used experts so far (calibration counts + online counts).
   markov    - first-order Markov chains over expert sets: P(b at l | set at the previous MoE layer, same token)

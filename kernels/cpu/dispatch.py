@@ -16,7 +16,7 @@ from kernels.cpu._abi import PackRowsArgs, f32_cpu
 
 def pack_fixed_rows(x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
                     world: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The fixed-capacity dispatch's send buffer in one call (`actors.moe.dispatch.AllToAllDispatcher._run_fixed`).
+    """The fixed-capacity dispatch's send buffer in one call (`actors.moe.exchange.FixedCapacityExchange.send`).
 
     Args:
         x_TD: [T, D] fp32 contiguous token rows. tok_V / dest_V / local_V: int64 [V] token, destination rank and

@@ -5,7 +5,7 @@ C: kernels/csrc/dequant_packed.c, kernels/csrc/packed_expert_ffn.c.
 Shape legend: R = expert rows, D = hidden, I = expert intermediate, E = experts, N = matrix rows, K = inputs,
 W = uint32 code words per row, G = groups per row.
 
-Layout: `kernels/packed_weights.py` (b-bit codes in uint32 words, fp16 scale and zero per group, optional fp16
+Layout: `kernels/packed_format.py` (b-bit codes in uint32 words, fp16 scale and zero per group, optional fp16
 codebook). `dequant_packed` is bit-identical to that module's PyTorch reference. `packed_expert_ffn` unpacks the
 codes in registers with each group's scale and zero taken out of its sum, so ~4.5 bits per weight leave memory
 instead of 32 for a dequantized fp32 copy; the engine therefore keeps no such copy by default on CPU
@@ -29,7 +29,7 @@ def dequant_packed(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     """Packed sub-4-bit weights to fp32 in one pass (`kernels.packed_weights.dequantize`'s CPU fast path).
 
     Args:
-        codes: `[*, N, W]` int32 (layout of `kernels/packed_weights.py`). scales / zeros: `[*, N, G]` fp16.
+        codes: `[*, N, W]` int32 (layout of `kernels/packed_format.py`). scales / zeros: `[*, N, G]` fp16.
             codebook: None or `[*, 2**bits]` fp16 levels. bits: 2, 3 or 4. group_size: inputs per group.
             shape: `(N, K)` or `(E, N, K)`. out: optional fp32 contiguous tensor of `shape` to fill.
     Returns:

@@ -1,7 +1,7 @@
-/* Packed sub-4-bit weights (kernels/packed_weights.py layout) to fp32, bit-identical to the PyTorch reference. */
+/* Packed sub-4-bit weights (kernels/packed_format.py layout) to fp32, bit-identical to the PyTorch reference. */
 #include "common.h"
 
-/* One row of a packed matrix (kernels/packed_weights.py layout: a little-endian bitstream of b-bit codes in
+/* One row of a packed matrix (kernels/packed_format.py layout: a little-endian bitstream of b-bit codes in
    uint32 words) to fp32: o[k] = (level[q_k] - z[g]) * s[g], g = k / gs, level = lv (the matrix's codebook, as
    floats) when lv, else q; s, z fp16.  The PyTorch reference's fp32 operations: bit-identical. */
 static void deq_row(const uint32_t *wr, const uint16_t *sr, const uint16_t *zr, long G, long gs, const float *lv,

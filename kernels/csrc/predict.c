@@ -88,7 +88,7 @@ void moeray_gate_logprobs(const float *h, long sh, long T, long D, const float *
     }
 }
 
-/* One MoE layer of a decode step's expert-prediction bookkeeping (actors/experts/store.py: ExpertRuntime), for
+/* One MoE layer of a decode step's expert-prediction bookkeeping (actors/experts/prediction.py: ExpertRuntime), for
    T tokens, in one call:
    1. score the prediction made for this layer (pred [T, B], or 0) against its routing ids [T, K]:
       stats[0..3] += (sum |pred_t & B_t|, sum |pred_t|, sum |B_t|, T);

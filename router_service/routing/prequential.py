@@ -9,7 +9,7 @@ import torch
 
 from actors.moe.stats import RoutingStats
 from actors.prefetch.base import ExpertPredictor
-from actors.prefetch.fitting import RoutingTrace
+from router_service.routing.fitting import RoutingTrace
 from actors.prefetch.predictors import keep_previous_first
 
 

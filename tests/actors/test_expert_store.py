@@ -15,7 +15,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.experts.build import quantize_local_experts
 from actors.experts.cache import ExpertCache
-from actors.experts.calibration import calibrate
+from router_service.routing.calibration import calibrate
 from actors.experts.packed import PackedLayerExperts
 from actors.experts.worker import PrefetchWorker
 from actors.engine.messages import GenerateRequest

@@ -9,7 +9,7 @@ import torch
 
 from actors.moe import stats
 from actors.prefetch.base import DEFAULT_WEIGHTS, ExpertPredictor
-from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from router_service.routing.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
 from actors.prefetch.markov import FrequencyPredictor, MarkovPredictor
 from actors.prefetch.predictors import PREDICTORS, keep_previous_first, make_predictor
 from actors.prefetch.transitions import TransitionCounts

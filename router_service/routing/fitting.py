@@ -1,8 +1,8 @@
 """Fitting the expert predictors on calibration traces: the lookahead pre-gates and the log-linear weights.
 
-Offline work (a calibration run, `actors.experts.calibration.calibrate`), kept in actors/ because that run is: a
-trace is recorded by running the model (`RoutingTrace`), then fitted here, and the results are saved with
-the transition counts (`TransitionCounts.lookahead_gates`, `TransitionCounts.weights`).
+Offline work (a calibration run, `router_service.routing.calibration.calibrate`): a trace is recorded by
+running the model (`RoutingTrace`), then fitted here, and the results are saved with the transition counts
+(`TransitionCounts.lookahead_gates`, `TransitionCounts.weights`).
 
 Shape legend: T = tokens, L = layers, K = experts per token, E = routed experts, D = hidden, F = features.
 """

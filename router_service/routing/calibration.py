@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import torch
 
-from actors.prefetch.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
+from router_service.routing.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates
 from actors.prefetch.predictors import make_predictor
 from actors.prefetch.transitions import TransitionCounts
 
