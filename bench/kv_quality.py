@@ -5,7 +5,7 @@ the profiles (never evaluated), then non-overlapping 1024-token windows after th
 row runs the model over each window with its keys and values written through a cache and read back as in
 decoding: token i attends to keys quantized as soon as their block (ours) or group (KIVI) is complete at
 step i, and in full precision otherwise (the prefill path of `QuantizedPagedKVCache` provably gives the
-decode numbers, see tests/actors/test_kv_quant_cache.py).
+decode numbers, see tests/actors/kv/test_kv_quant_cache.py).
 
 Rows:
   fp16-kv        the full-precision cache (reference; compute in fp32, counted as 16 bits)

@@ -6,7 +6,7 @@ one width b (T_b = page bytes // bytes per token: 13 / 9 / 7 tokens at 2 / 3 / 4
 pages), laid out as a `KVPages` block [v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)],
 so each width's `KVPages` is a set of strided views of the same arena (block stride = page bytes). Any free page
 serves any width; finishing returns whole pages; the only waste is page slack and each sequence's unfilled
-last page (measured below 5% on the issue's workload, tests/actors/test_kv_quant_pool.py). Blocks of S
+last page (measured below 5% on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of S
 tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at
 29-44% waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
 

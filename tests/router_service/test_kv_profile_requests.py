@@ -69,7 +69,7 @@ def test_served_profile_names(llm):
 def test_mixed_profiles_in_one_batch_equal_each_alone(llm):
     jobs = [(PROSE, "code"), (CODE, "prose"), (CODE, "auto"), (PROSE, None)]
     router = llm.router
-    # queued together, so they share steps (tests/actors/test_engine_kv_profile.py pins one batch)
+    # queued together, so they share steps (tests/actors/engine/test_engine_kv_profile.py pins one batch)
     streams = [router.submit(p, greedy(kv_profile=k)) for p, k in jobs]
     mixed = [s.result(timeout=120) for s in streams]
     assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in mixed), mixed

@@ -6,7 +6,7 @@ import random
 
 from actors.engine.messages import GenerateRequest
 from actors.engine.sampling import SamplingParams
-from tests.actors.test_model_vs_hf import make_engine, run_to_completion
+from tests.actors.model.test_model_vs_hf import make_engine, run_to_completion
 
 
 def test_preemption_recompute_gives_same_tokens(tiny_model_dir):

@@ -8,7 +8,7 @@ import pytest
 from actors.engine.config import EngineConfig
 from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
-from tests.actors.test_engine_kv_profile import CODE, PROSE, _engine, _req, _run
+from tests.actors.engine.test_engine_kv_profile import CODE, PROSE, _engine, _req, _run
 
 
 def test_served_names_and_config_checks():

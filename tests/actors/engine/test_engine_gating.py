@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from actors.engine.sampling import SamplingParams
-from tests.actors.test_model_vs_hf import make_engine, run_to_completion
+from tests.actors.model.test_model_vs_hf import make_engine, run_to_completion
 
 
 def _prompts():
