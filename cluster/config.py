@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from actors.engine.config import EngineConfig
 from actors.model.config import ModelConfig
 
+# the engine's own defaults (one home: `actors.engine.config.EngineConfig`)
+_ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -22,12 +25,12 @@ class ClusterConfig:
 
     model: str = DEFAULT_MODEL
     ranks: int = 2
-    dtype: str = "float32"
+    dtype: str = _ENGINE["dtype"]
     max_model_len: int | None = None  # default: min(1024, the model's max_position_embeddings)
-    max_num_seqs: int = 64
-    max_batched_tokens: int = 4096
-    block_size: int = 16
-    kv_cache_bytes: int = 64 * 2**20
+    max_num_seqs: int = _ENGINE["max_num_seqs"]
+    max_batched_tokens: int = _ENGINE["max_batched_tokens"]
+    block_size: int = _ENGINE["block_size"]
+    kv_cache_bytes: int = _ENGINE["kv_cache_bytes"]
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
     num_threads_per_rank: int = 1

@@ -7,7 +7,9 @@ import logging
 import os
 import sys
 
-from cluster.config import DEFAULT_MODEL
+from cluster.config import DEFAULT_MODEL, ClusterConfig
+
+_CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -46,9 +48,12 @@ def add_engine_args(p) -> None:
     `generate` and `serve`; `engine_kwargs` turns them into LLM / ClusterConfig keywords)."""
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per rank at most")
-    p.add_argument("--kv-cache-bytes", type=int, default=64 * 2**20, help="KV cache budget per rank (bytes)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
+                   help="running sequences per rank at most")
+    p.add_argument("--kv-cache-bytes", type=int, default=_CLUSTER["kv_cache_bytes"].default,
+                   help="KV cache budget per rank (bytes)")
+    p.add_argument("--dtype", default=_CLUSTER["dtype"].default, choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype")
     p.add_argument("--weight-storage", default="auto", choices=["auto", "compute"],
                    help="auto: a bf16 checkpoint computed in fp32 on CPU keeps its matrices in bf16 (same values, half "
                         "the bytes per decode step); compute: every weight in --dtype")

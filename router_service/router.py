@@ -54,6 +54,10 @@ def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
     return bytes(buf)
 
 
+# requests in flight per Router before OverloadedError (the Python API's default; `moeray serve` takes
+# `ServeAppArgs.max_queue`)
+DEFAULT_MAX_QUEUE = 1024
+
 class Router:
     """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
 
@@ -65,7 +69,7 @@ class Router:
         OverloadedError: more than `max_queue` requests in flight.
     """
 
-    def __init__(self, cluster: EPCluster, max_queue: int = 1024):
+    def __init__(self, cluster: EPCluster, max_queue: int = DEFAULT_MAX_QUEUE):
         self.cluster = cluster
         self.cfg = cluster.cfg
         self.tokenizer = Tokenizer.from_file(f"{self.cfg.model}/tokenizer.json")
