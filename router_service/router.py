@@ -210,14 +210,21 @@ class Router:
                 conn.close()
 
     def _dispatch(self, outs: list[TokenOutput]) -> None:
-        for o in outs:
-            with self._lock:
-                stream = self._streams.get(o.request_id)
+        """Route one frame's outputs to their streams: one lock for the lookups, and one post per event loop for
+        the streams attached to one (`LoopMailbox`), so a step of N sequences wakes a front door's loop once."""
+        with self._lock:
+            streams = [self._streams.get(o.request_id) for o in outs]
+        posts: dict = {}
+        for o, stream in zip(outs, streams):
             if stream is None:
                 continue
-            stream._push(o)
+            sent = stream._push(o)
+            if sent is not None:
+                posts.setdefault(sent[0], []).append(sent[1])
             if o.finish_reason is not None:
                 self._finish(o.request_id)
+        for mailbox, items in posts.items():
+            mailbox.post(items)
 
     def _fail_rank(self, rank: int | None, err: str) -> int:
         """End every in-flight request on `rank` (None: on every rank) with `finish_reason="error"`.
@@ -225,7 +232,9 @@ class Router:
         with self._lock:
             victims = [s for s in self._streams.values() if rank is None or s.rank == rank]
         for s in victims:
-            s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+            sent = s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+            if sent is not None:
+                sent[0].post([sent[1]])
             self._finish(s.request_id)
         return len(victims)
 

@@ -202,6 +202,9 @@ class ServeAppArgs(BaseModel):
     max_queue: requests in flight per replica before HTTP 503 / RESOURCE_EXHAUSTED.
     api_key: required bearer key (None: $MOERAY_API_KEY; unset or empty: no key).
     grpc_port: if set, the replica also serves gRPC on grpc_host:grpc_port (127.0.0.1 unless told otherwise).
+    http_port: if set, the replica serves the HTTP app itself on http_host:http_port (`router_service.serve.
+        listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
+        answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -216,4 +219,6 @@ class ServeAppArgs(BaseModel):
     api_key: str | None = None
     grpc_port: int | None = Field(None, ge=0, le=65535)
     grpc_host: str = "127.0.0.1"
+    http_port: int | None = Field(None, ge=0, le=65535)
+    http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

@@ -15,7 +15,6 @@ chat special tokens).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import AsyncIterator
 
@@ -28,7 +27,7 @@ from router_service.grpc.rpc import served_model_name
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router_service.metrics import Metrics
 from router_service.router import Router
-from router_service.stream import RequestStream
+from router_service.stream import LoopMailbox, RequestStream
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -115,21 +114,13 @@ class OpenAIServer:
 
     # -------------------------------------------------------------- streaming
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenOutput]]:
-        """(choice index, output) of all streams as they arrive. One pump thread per stream hands outputs
-        to the event loop, so no executor slot is held per stream. On exit (also cancellation: the client
-        went away) every unfinished request is aborted on its rank."""
-        loop = asyncio.get_running_loop()
+        """(choice index, output) of all streams as they arrive. The streams are attached to this loop's
+        `LoopMailbox`: the router posts a whole rank frame per loop wake-up, no thread per stream. On exit (also
+        cancellation: the client went away) every unfinished request is aborted on its rank."""
+        mailbox = LoopMailbox.of(asyncio.get_running_loop())
         aq: asyncio.Queue = asyncio.Queue()
-
-        def pump(i: int, s: RequestStream) -> None:
-            for o in s:
-                try:
-                    loop.call_soon_threadsafe(aq.put_nowait, (i, o))
-                except RuntimeError:  # the loop is gone; the request was aborted by the finally below
-                    return
-
         for i, s in enumerate(streams):
-            threading.Thread(target=pump, args=(i, s), daemon=True, name=f"sse-{s.request_id}").start()
+            s.attach(mailbox, aq, i)
         left = len(streams)
         timer = self.metrics.observer([s.t0 for s in streams])  # TTFT, inter-token and end-to-end latency
         try:
