@@ -18,6 +18,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 
 log = logging.getLogger("moeray.http")
 
@@ -71,9 +72,7 @@ class HTTPListener:
             loop = "asyncio"
         cfg = uvicorn.Config(self.app, loop=loop, http="auto", lifespan="off", log_level="warning",
                              access_log=False, timeout_keep_alive=30, backlog=2048)
-        self._server = uvicorn.Server(cfg)
-        self._server.install_signal_handlers = lambda: None  # the replica's signals stay Serve's
-        started = threading.Event()
+        self._server = server = uvicorn.Server(cfg)  # off the main thread: it installs no signal handlers
 
         def run() -> None:
             if loop == "uvloop":
@@ -83,24 +82,20 @@ class HTTPListener:
             else:
                 ev = asyncio.new_event_loop()
             asyncio.set_event_loop(ev)
-
-            async def serve() -> None:
-                await self._server.startup(sockets=[self.sock])
-                started.set()
-                if self._server.should_exit:
-                    return
-                await self._server.main_loop()
-                await self._server.shutdown(sockets=[self.sock])
-
             try:
-                ev.run_until_complete(serve())
+                ev.run_until_complete(server.serve(sockets=[self.sock]))
+            except BaseException:  # noqa: BLE001 - logged; `start` reports it
+                log.exception("HTTP listener on %s:%d stopped", self.host, self.port)
             finally:
-                started.set()
                 ev.close()
 
         self._thread = threading.Thread(target=run, name=f"http-listener-{self.port}", daemon=True)
         self._thread.start()
-        if not started.wait(30) or not self._thread.is_alive():
+        deadline = time.monotonic() + 30
+        while not server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not server.started:
+            server.should_exit = True
             raise RuntimeError(f"HTTP listener on {self.host}:{self.port} did not start")
         log.info("replica HTTP listener on %s:%d", self.host, self.port)
         return self
