@@ -26,7 +26,7 @@ from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.engine.eplb import PlacementMixin
-from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata
+from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.experts import Experts, local_experts
 from actors.moe.placement import ExpertPlacement
@@ -88,7 +88,8 @@ class RankEngine(PlacementMixin):
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.cache = self._build_kv_cache()
-        self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens)
+        self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens,
+                                   cfg.enable_chunked_prefill)
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
         self.eos = set(mc.eos_token_ids)
         self._lock = threading.Lock()
@@ -224,7 +225,8 @@ class RankEngine(PlacementMixin):
         gating = build_gating_batch(seqs, pos, meta, slot_of=self._slot_of, free_slots=self._free_slots,
                                     running=self.scheduler.running, default=self.model.gating_router.cfg.policy,
                                     dev=self.device)
-        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating)
+        sampled, rows = sampled_rows(prefills, decodes, meta, self.device)
+        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating, sampled=sampled, logit_rows=rows)
         self.timing["schedule_s"] += time.perf_counter() - t0
         return plan
 
@@ -238,15 +240,16 @@ class RankEngine(PlacementMixin):
         t1 = time.perf_counter()
         h = self.model.forward(plan.ids, plan.pos, self.cache, meta, ctx)
         t2 = time.perf_counter()
+        for seq in seqs:
+            seq.num_cached += seq.num_scheduled  # the step's K/V are in the cache now
+        seqs = plan.sampled  # a sequence mid-prefill gets no token (and needs no logits) until its last chunk
         if seqs:
-            if meta.prefills:
-                last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
-                h = h[torch.tensor(last, dtype=torch.int64, device=self.device)]
+            if plan.logit_rows is not None:
+                h = h[plan.logit_rows]
             # decode only: token i is sequence i's one new token, so every row is a last row, in order
             logits = self.model.logits(h).cpu()
             toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, toks):
-                seq.num_cached = seq.length
                 self._append(seq, tok)
         t3 = time.perf_counter()
         self.timing["steps"] += 1
