@@ -54,27 +54,51 @@ def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
     return bytes(buf)
 
 
-# requests in flight per Router before OverloadedError (the Python API's default; `moeray serve` takes
-# `ServeAppArgs.max_queue`)
-DEFAULT_MAX_QUEUE = 1024
+# The admission bound by default: requests in flight (running + queued) per Router before OverloadedError, set by
+# the memory a queued request holds. A queued request keeps its prompt token ids as Python ints on the router and
+# on its rank (plus the request message): about QUEUED_TOKEN_BYTES per prompt token, at most max_model_len tokens.
+# QUEUE_MEMORY_BYTES of that gives 4096 requests at max_model_len 1024; never fewer than MIN_MAX_QUEUE.
+QUEUE_MEMORY_BYTES = 256 << 20
+QUEUED_TOKEN_BYTES = 64
+MIN_MAX_QUEUE = 256
+
+
+def default_max_queue(max_model_len: int) -> int:
+    """Requests in flight per Router by default: QUEUE_MEMORY_BYTES // (max_model_len * QUEUED_TOKEN_BYTES), at
+    least MIN_MAX_QUEUE. Requests beyond the ranks' `max_num_seqs` wait in the ranks' schedulers (FIFO) instead of
+    being refused, as vLLM queues them."""
+    return max(MIN_MAX_QUEUE, QUEUE_MEMORY_BYTES // (max(max_model_len, 1) * QUEUED_TOKEN_BYTES))
+
+
+def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
+    """Characters a prompt may have before it is refused untokenized: a token never spells more characters than
+    its longest vocabulary entry (byte-level BPE: one character per byte), so a longer text surely exceeds
+    `max_model_len` tokens; doubled for normalizers that drop characters. Tokenizing holds the GIL (seconds for
+    megabytes), which would stall every other stream of the process: this bound keeps that work proportional to
+    what can be served."""
+    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return 2 * max_model_len * max(longest, 1)
 
 class Router:
     """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
 
     Args:
-        cluster: a running `EPCluster`. max_queue: in-flight requests at most before refusing.
+        cluster: a running `EPCluster`. max_queue: in-flight requests (running + queued) at most before refusing
+            (None: `default_max_queue(max_model_len)`).
     Raises (from `submit`):
-        InvalidRequestError: empty prompt, token ids out of vocab, prompt + max_tokens over
-            max_model_len (the message names the field and the limit).
+        InvalidRequestError: empty prompt, a text prompt over `max_prompt_chars` characters (refused before it is
+            tokenized), token ids out of vocab, prompt + max_tokens over max_model_len (the message names the field
+            and the limit).
         OverloadedError: more than `max_queue` requests in flight.
     """
 
-    def __init__(self, cluster: EPCluster, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, cluster: EPCluster, max_queue: int | None = None):
         self.cluster = cluster
         self.cfg = cluster.cfg
         self.tokenizer = Tokenizer.from_file(f"{self.cfg.model}/tokenizer.json")
         self.vocab_size = cluster.model_config.vocab_size
-        self.max_queue = max_queue
+        self.max_queue = max_queue if max_queue is not None else default_max_queue(self.cfg.max_model_len)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.cfg.max_model_len)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -98,7 +122,7 @@ class Router:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "prompt is empty")
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.encode(prompt, "prompt")
         else:
             ids = list(prompt)
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -117,6 +141,18 @@ class Router:
         except ValueError as e:
             raise InvalidRequestError("kv_profile", str(e)) from e
         return ids
+
+    def encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Token ids of `text`, refused untokenized when it has more than `max_prompt_chars` characters.
+
+        Raises:
+            InvalidRequestError: naming `field`, the length and the limit.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(field, f"{field} has {len(text)} characters; the context window is "
+                                             f"{self.cfg.max_model_len} tokens, which no text over "
+                                             f"{self.max_prompt_chars} characters fits")
+        return self.tokenizer.encode(text).ids
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:

@@ -120,7 +120,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(req: CompletionRequest, request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(srv.completion_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.completion_jobs(req, rid))
         for s in streams:
             m.prompt_tokens.inc(s.out.prompt_tokens)
         return await _respond(req, streams, rid, "text_completion", request.url.path)
@@ -128,7 +128,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(srv.chat_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.chat_jobs(req, rid))
         for s in streams:
             m.prompt_tokens.inc(s.out.prompt_tokens)
         return await _respond(req, streams, rid, "chat.completion", request.url.path)

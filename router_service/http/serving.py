@@ -74,11 +74,13 @@ class OpenAIServer:
             raise
         return streams
 
-    async def submit(self, jobs: list[tuple]) -> list[RequestStream]:
-        """Submit off the event loop (the router makes a blocking call to the rank). Maps router errors
-        to `_Reject` with the HTTP response."""
+    async def submit(self, make_jobs) -> list[RequestStream]:
+        """Build the jobs (`make_jobs()`: templating and tokenizing, which hold the GIL) and submit them, off the
+        event loop (the router also makes a blocking call to the rank), so the loop keeps streaming other
+        requests' tokens. Maps router errors to `_Reject` with the HTTP response."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._submit_all, jobs)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self._submit_all(make_jobs()))
         except InvalidRequestError as e:
             raise _Reject(error_response(400, str(e), e.field), "invalid") from e
         except OverloadedError as e:
@@ -87,7 +89,7 @@ class OpenAIServer:
             raise _Reject(error_response(503, str(e), None, "engine_unavailable", {"Retry-After": "1"}), "unavailable") from e
 
     def prompt_len(self, prompt: str | list[int]) -> int:
-        return len(prompt) if isinstance(prompt, list) else len(self.router.tokenizer.encode(prompt).ids)
+        return len(prompt) if isinstance(prompt, list) else len(self.router.encode(prompt))
 
     def completion_jobs(self, req: CompletionRequest, rid: str) -> list[tuple]:
         self._check_model(req)
@@ -102,7 +104,7 @@ class OpenAIServer:
         self._check_model(req)
         text = self.chat_template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                                           for m in req.messages])
-        ids = self.router.tokenizer.encode(text).ids
+        ids = self.router.encode(text, "messages")
         L = self.router.cfg.max_model_len
         if req.max_tokens is not None:
             max_tokens = req.max_tokens
