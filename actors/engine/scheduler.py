@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
+import random
 
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.kv.allocator import BlockAllocator
@@ -38,7 +37,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    generator: random.Random | None = None  # its uniform stream (`sampling.make_generator`); None: greedy
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
