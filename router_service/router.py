@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -26,9 +25,11 @@ import ray
 from tokenizers import Tokenizer
 
 from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
+from actors.rank.output_channel import read_frame
 from actors.engine.sampling import SamplingParams
 from cluster.launcher import EPCluster
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.admission import default_max_queue, max_prompt_chars
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
@@ -37,47 +38,6 @@ log = logging.getLogger("moeray.router")
 # asks the actor directly whether it is alive
 CHANNEL_SILENCE_S = 15.0
 
-
-def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
-    """n bytes from `conn`; `on_timeout()` runs on each socket timeout (it raises to give up). Raises
-    ConnectionError if the peer closes first."""
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = conn.recv(n - len(buf))
-        except TimeoutError:
-            on_timeout()
-            continue
-        if not chunk:
-            raise ConnectionError("output channel closed")
-        buf += chunk
-    return bytes(buf)
-
-
-# The admission bound by default: requests in flight (running + queued) per Router before OverloadedError, set by
-# the memory a queued request holds. A queued request keeps its prompt token ids as Python ints on the router and
-# on its rank (plus the request message): about QUEUED_TOKEN_BYTES per prompt token, at most max_model_len tokens.
-# QUEUE_MEMORY_BYTES of that gives 4096 requests at max_model_len 1024; never fewer than MIN_MAX_QUEUE.
-QUEUE_MEMORY_BYTES = 256 << 20
-QUEUED_TOKEN_BYTES = 64
-MIN_MAX_QUEUE = 256
-
-
-def default_max_queue(max_model_len: int) -> int:
-    """Requests in flight per Router by default: QUEUE_MEMORY_BYTES // (max_model_len * QUEUED_TOKEN_BYTES), at
-    least MIN_MAX_QUEUE. Requests beyond the ranks' `max_num_seqs` wait in the ranks' schedulers (FIFO) instead of
-    being refused, as vLLM queues them."""
-    return max(MIN_MAX_QUEUE, QUEUE_MEMORY_BYTES // (max(max_model_len, 1) * QUEUED_TOKEN_BYTES))
-
-
-def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
-    """Characters a prompt may have before it is refused untokenized: a token never spells more characters than
-    its longest vocabulary entry (byte-level BPE: one character per byte), so a longer text surely exceeds
-    `max_model_len` tokens; doubled for normalizers that drop characters. Tokenizing holds the GIL (seconds for
-    megabytes), which would stall every other stream of the process: this bound keeps that work proportional to
-    what can be served."""
-    longest = max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
-    return 2 * max_model_len * max(longest, 1)
 
 class Router:
     """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
@@ -233,8 +193,7 @@ class Router:
                     raise RuntimeError(h["error"] or "loop thread stopped")
 
             while not self._closed and gen == self._gen:
-                n = struct.unpack(">I", _recv_exact(conn, 4, alive))[0]
-                outs, failed = decode_frame(_recv_exact(conn, n, alive) if n else b"")
+                outs, failed = decode_frame(read_frame(conn, alive))
                 self._dispatch(outs)
                 if failed is not None:
                     raise RuntimeError(failed)

@@ -9,7 +9,7 @@ import urllib.request
 from tokenizers import Tokenizer
 
 from actors.engine.messages import TokenOutput
-from router_service.router import MIN_MAX_QUEUE, default_max_queue, max_prompt_chars
+from router_service.admission import MIN_MAX_QUEUE, default_max_queue, max_prompt_chars
 from router_service.stream import LoopMailbox, RequestStream
 
 
