@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import os
 
-# `kernels.cpu`: the compiled kernels run batches of at most this many rows; larger batches (prefill) widen the
-# weight once and run torch's GEMM, where the O(M N K) work hides the widening and torch's threads help.
+# `kernels.cpu`: the compiled row-by-row kernels (packed experts, predictor) run batches of at most this many rows;
+# larger batches (prefill) widen the weight once and run torch's GEMM, where the O(M N K) work hides the widening.
 MAX_KERNEL_ROWS = 16
 
-# `actors.moe.experts.LocalExperts`: at most this many rows with distinct experts run row by row (decode
-# batches): fewer ops than sort + scatter.
+# `kernels.cpu.linear` / `expert_ffn` (bf16 weights, the blocked GEMM of kernels/csrc/gemm.c): at most this many
+# rows per call. On one thread the blocked kernel keeps pace with MKL's fp32 GEMM at every row count measured
+# (BENCHMARKS.md); beyond it (long prefills) torch's GEMM runs, whose threads help when a rank has several.
+MAX_GEMM_ROWS = 1024
+
+# `kernels.cpu.packing`: most bytes of packed (panel-layout) copies of bf16 weights, all weights together; each
+# copy costs its weight's bf16 bytes (tiny-moe: ~18 MB for every dense matrix and expert). Past it, weights run
+# the row-major kernel. `MOERAY_PANEL_CACHE_BYTES` overrides it (0: never pack).
+PANEL_CACHE_BYTES = 1 << 30
+
+# `actors.moe.experts.LocalExperts` without the compiled kernel (fp32 weights): at most this many rows with
+# distinct experts run row by row (decode batches): fewer ops than sort + scatter.
 SMALL_ROWS = 4
 
 # `actors.experts` runtime: a step of at most this many token x expert cells does its prediction bookkeeping on

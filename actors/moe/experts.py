@@ -82,7 +82,12 @@ class LocalExperts(Experts):
 
     Args:
         w_gate_up: [E_loc, 2I, D] (gate rows first, then up), w_down: [E_loc, D, I], same dtype: the
-            compute dtype, or bf16 with fp32 activations (`kernels.cpu.linear`).
+            compute dtype, or bf16 with fp32 activations.
+
+    bf16 weights on CPU run every entry through the compiled grouped kernel (`kernels.cpu.expert_ffn`: rows
+    sorted by expert, two GEMMs per active expert, no per-row or per-expert Python); otherwise the rows are
+    sorted by expert and each active expert runs as two torch matmuls over its rows (a grouped GEMM in torch
+    ops), or row by row for a few rows with distinct experts.
     """
 
     def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):
@@ -96,10 +101,10 @@ class LocalExperts(Experts):
         y = torch.empty_like(x_RD)
         if x_RD.shape[0] == 0:
             return y
-        if x_RD.shape[0] <= tuning.SMALL_ROWS:  # decode: one compiled call (bf16 weights), else one host read of the ids
-            fused = expert_ffn(x_RD, self.w_gate_up, self.w_down, local_ids_R)
-            if fused is not None:
-                return fused
+        fused = expert_ffn(x_RD, self.w_gate_up, self.w_down, local_ids_R)  # bf16 on CPU: one grouped-GEMM call
+        if fused is not None:
+            return fused
+        if x_RD.shape[0] <= tuning.SMALL_ROWS:  # a few rows: one host read of the ids, row by row
             ids = local_ids_R.tolist()
             if len(set(ids)) == len(ids):
                 return torch.cat([self._ffn(x_RD[r : r + 1], e) for r, e in enumerate(ids)])

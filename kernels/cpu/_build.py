@@ -11,6 +11,10 @@ Not built (every wrapper then declines and its caller runs the PyTorch path): wi
 `MOERAY_DISABLE_CPU_KERNELS=1`, off x86-64 or without AVX2/FMA (silently), or when the sources are missing or the
 compiler fails (one warning naming the error).
 
+Instruction set: the blocked GEMM (csrc/gemm.c) has an AVX-512 build of its loops beside the AVX2 one, chosen
+at load: AVX-512 when the CPU has avx512f/bw/dq/vl, else AVX2. `MOERAY_CPU_ISA=avx2` forces the AVX2 loops (A/B
+runs, tests of that path); `set_isa` switches at run time (tests).
+
 Invariant: `_lib` is the library or None, valid once `_tried` is True. Wrappers read it only through `lib()` at
 call time, so a test that sets `_build._lib = None` and `_build._tried = True` disables every wrapper.
 """
@@ -39,15 +43,43 @@ _lib = None  # the loaded ctypes library, once built
 _tried = False
 
 
-def _cpu_supports_avx2_fma() -> bool:
+_AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+
+
+def _cpu_flags() -> set[str]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
+        return set()
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return set(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
+        return set()
+
+
+def _cpu_supports_avx2_fma() -> bool:
+    flags = _cpu_flags()
     return "avx2" in flags and "fma" in flags
+
+
+def best_isa() -> int:
+    """The widest GEMM build this CPU runs: 2 (AVX-512), else 1 (AVX2); `MOERAY_CPU_ISA=avx2` gives 1."""
+    if os.environ.get("MOERAY_CPU_ISA", "").lower() == "avx2":
+        return 1
+    return 2 if all(f in _cpu_flags() for f in _AVX512) else 1
+
+
+def set_isa(level: int) -> int:
+    """Use the GEMM loops of `level` (1: AVX2, 2: AVX-512; capped at `best_isa()`); returns the previous level.
+
+    Raises:
+        RuntimeError: the kernels are not built.
+    """
+    lib_ = lib()
+    if lib_ is None:
+        raise RuntimeError("set_isa: the CPU kernels are not built")
+    prev = int(lib_.moeray_isa())
+    lib_.moeray_set_isa(min(int(level), best_isa()))
+    return prev
 
 
 def _sources() -> dict[str, str]:
@@ -97,6 +129,7 @@ def _load():
             for name, (args, res) in SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, res
+            lib.moeray_set_isa(best_isa())
             _lib = lib
         except (OSError, subprocess.SubprocessError, AttributeError) as e:
             detail = getattr(e, "stderr", b"") or b""

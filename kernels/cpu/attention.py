@@ -3,8 +3,10 @@
 Shape legend: T = query rows, B = decode sequences, H = query heads, Hkv = KV heads, Dh = head_dim,
 S = block size (tokens), NB = cache blocks, MB = blocks per block table.
 
-One pass of online softmax over each sequence's paged K/V (as FlashDecoding / vLLM's paged_attention_v1 do on
-GPU): no gather, mask or padding. Returns False when it cannot run; the caller then runs its PyTorch reference.
+Per (sequence, head), straight from the paged K/V through the block table (as vLLM's paged_attention_v1 reads
+it): no gather, mask or padding. The scores of a head's whole context are computed first (4 keys per horizontal
+sum), then an exact-max softmax (vectorized exp, every weight <= 1, as the reference's) and the weighted sum of
+V: no per-key rescaling or branch. Returns False when it cannot run; the caller then runs its PyTorch reference.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from kernels.cpu._abi import DecodeAttentionArgs, f32_cpu
 def decode_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens_B: torch.Tensor,
                      block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor, scale: float,
                      out_THD: torch.Tensor) -> bool:
-    """Decode attention over paged full-precision K/V, one pass of online softmax per (sequence, head).
+    """Decode attention over paged full-precision K/V, per (sequence, head): scores, softmax, weighted V.
 
     Args:
         q_THD: [T, H, Dh] fp32 queries (post-RoPE), contiguous. k_cache/v_cache: [NB, S, Hkv, Dh] fp32
@@ -28,10 +30,12 @@ def decode_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         out_THD: [T, H, Dh] fp32; rows tokens_B are written.
     Returns:
         True if the compiled kernel ran; False (nothing written) when it cannot (other dtype or device,
-        Dh > 1024, non-contiguous inputs): the caller then runs the PyTorch reference.
+        non-contiguous inputs): the caller then runs the PyTorch reference.
+    Raises:
+        MemoryError: the scores' scratch (max context floats) could not be allocated.
     """
     lib = _build.lib()
-    if lib is None or not f32_cpu(q_THD, k_cache, v_cache, out_THD) or q_THD.shape[-1] > 1024:
+    if lib is None or not f32_cpu(q_THD, k_cache, v_cache, out_THD):
         return False
     if not (q_THD.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and out_THD.is_contiguous()):
         return False
@@ -41,8 +45,8 @@ def decode_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     ctx = context_lens_B.to(torch.int64).contiguous()
     tok = tokens_B.to(torch.int64).contiguous()
     B = tok.numel()
-    if B:
-        lib.moeray_decode_attention(ctypes.byref(DecodeAttentionArgs(
+    if B and lib.moeray_decode_attention(ctypes.byref(DecodeAttentionArgs(
             q_THD.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), bt.shape[1], ctx.data_ptr(),
-            tok.data_ptr(), out_THD.data_ptr(), B, H, Hkv, Dh, S, scale)))
+            tok.data_ptr(), out_THD.data_ptr(), B, H, Hkv, Dh, S, scale))):
+        raise MemoryError(f"decode_attention: no scratch for {int(ctx.max())} scores")
     return True

@@ -3,10 +3,15 @@
 Shape legend: M = rows (tokens), K = input features, N = output features, D = hidden.
 
 Both always return a result: the compiled call where it can run, else the PyTorch ops (same contract).
-`linear` reads bf16 weights, widens them to fp32 in registers (a bf16 is the top half of an fp32: exact) and
-accumulates in fp32 with FMA, so it equals fp32 math over the widened weights up to summation order (~1e-6
-relative), at half the bytes of an fp32 copy: torch has no CPU op that multiplies fp32 activations by bf16
-weights without first materialising an fp32 copy of the weight. `rms_norm` fuses the residual add and the norm
+`linear` reads bf16 weights, widens them to fp32 exactly (a bf16 is the top half of an fp32) and accumulates in
+fp32 with FMA, so it equals fp32 math over the widened weights up to summation order (~1e-6 relative), at half
+the bytes of an fp32 copy: torch has no CPU op that multiplies fp32 activations by bf16 weights without first
+materialising an fp32 copy of the weight (what the fallback does, every call). A weight seen twice gets a packed
+copy in the panel layout (`kernels.cpu.packing`: same bytes, bounded budget) and runs the outer-product panel
+GEMM (kernels/csrc/gemm_panel.c), ~1.5x MKL's fp32 GEMM on one thread at 1 to 64 rows (BENCHMARKS.md). Without
+a packed copy: one row runs dot products straight from the bf16 stream, more rows the blocked row-major GEMM
+(kernels/csrc/gemm.c), which widens each block of 4 weight rows once into L1 for all rows. Both have AVX-512
+and AVX2 loops, chosen at load (`kernels.cpu._build`). `rms_norm` fuses the residual add and the norm
 into one call instead of ~7 ops (as vLLM's fused_add_rms_norm).
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.nn.functional as F
 from kernels import tuning
 from kernels.cpu import _build
 from kernels.cpu._abi import RmsNormArgs, f32_cpu
+from kernels.cpu.packing import panels
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,15 +35,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
         b: optional [N] bias in x's dtype.
     Returns:
         [..., N] in x's dtype. With w in x's dtype this is exactly `F.linear`. With a bf16 `w`, fp32 `x` on CPU
-        and at most `MAX_KERNEL_ROWS` rows, the compiled kernel runs (fp32 accumulation over the exactly
+        and at most `MAX_GEMM_ROWS` rows, the compiled kernel runs (fp32 accumulation over the exactly
         widened weights); otherwise the weight is widened to x's dtype and `F.linear` runs.
     Raises:
         RuntimeError: as `F.linear` for mismatched shapes (the kernel path checks K and the bias length).
+        MemoryError: the kernel's scratch (K > 1024) could not be allocated.
     """
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
     if (w.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and x.shape[0] <= tuning.MAX_KERNEL_ROWS and w.is_contiguous() and x.stride(1) == 1):
+            and x.shape[0] <= tuning.MAX_GEMM_ROWS and w.is_contiguous() and x.stride(1) == 1):
         lib = _build.lib()
         if lib is not None:
             M, K = x.shape
@@ -47,8 +54,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
                                    f"b {None if b is None else tuple(b.shape)} do not match")
             y = torch.empty(M, N, dtype=x.dtype)
             if M:
-                lib.moeray_linear_bf16w(x.data_ptr(), x.stride(0), w.data_ptr(), b.data_ptr() if b is not None else None,
-                                        y.data_ptr(), N, M, N, K)
+                wp = panels(w)
+                if wp is not None:
+                    lib.moeray_linear_panels(x.data_ptr(), x.stride(0), wp.data_ptr(),
+                                             b.data_ptr() if b is not None else None, y.data_ptr(), N, M, N, K)
+                elif lib.moeray_linear_bf16w(x.data_ptr(), x.stride(0), w.data_ptr(),
+                                             b.data_ptr() if b is not None else None, y.data_ptr(), N, M, N, K):
+                    raise MemoryError(f"linear: no scratch for K={K}")
             return y
     return F.linear(x, w.to(x.dtype), b)
 

@@ -7,43 +7,99 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu as cpu_kernels
-from kernels.cpu import _build, cpu_kernels_available, linear
-from kernels.tuning import MAX_KERNEL_ROWS
+from kernels.cpu import _build, cpu_kernels_available, linear, packing
+from kernels.tuning import MAX_GEMM_ROWS, MAX_KERNEL_ROWS
 
 
 def _ref(x, w, b):
     return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
 
 
-@pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler or no AVX2/FMA: the fallback path runs")
-@pytest.mark.parametrize("M", [0, 1, 2, 3, 4, 5, 7, 8, 9, MAX_KERNEL_ROWS])
+@pytest.fixture(params=[1, 2], ids=["avx2", "avx512"])
+def isa(request):
+    """Run the test on the blocked GEMM's AVX2 loops, then its AVX-512 loops (skipped without AVX-512)."""
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler or no AVX2/FMA: the fallback path runs")
+    if request.param > _build.best_isa():
+        pytest.skip("this CPU (or MOERAY_CPU_ISA) has no AVX-512")
+    prev = _build.set_isa(request.param)
+    assert _build.lib().moeray_isa() == request.param
+    yield request.param
+    _build.set_isa(prev)
+
+
+@pytest.mark.parametrize("M", [0, 1, 2, 3, 4, 5, 7, 8, 9, MAX_KERNEL_ROWS, 17, 64, 65, 131])
 @pytest.mark.parametrize("N,K", [(1, 1), (3, 7), (5, 8), (9, 15), (4, 16), (6, 17), (513, 256), (31, 255)])
-def test_kernel_matches_float64_reference(M, N, K):
+def test_kernel_matches_float64_reference(isa, M, N, K):
+    """Every row remainder of the GEMMs' tiles (row-major: 4 or 3 rows, 64-row chunks; panels: 8 or 2 rows), every
+    weight-block remainder (N mod 4, N mod 32) and K tail (K mod 8 and mod 16), on both instruction sets."""
     g = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
     x = torch.randn(M, K, generator=g)
     w = torch.randn(N, K, generator=g).bfloat16()
     b = torch.randn(N, generator=g)
     for bias in (None, b):
-        got = linear(x, w, bias)
-        assert got.shape == (M, N) and got.dtype == torch.float32
-        torch.testing.assert_close(got, _ref(x, w, bias), atol=2e-5 * K ** 0.5, rtol=1e-5)
+        for _ in range(2):  # first sight: the row-major kernel; then the packed panel copy (`kernels.cpu.packing`)
+            got = linear(x, w, bias)
+            assert got.shape == (M, N) and got.dtype == torch.float32
+            torch.testing.assert_close(got, _ref(x, w, bias), atol=2e-5 * K ** 0.5, rtol=1e-5)
+    assert M == 0 or packing.panels(w) is not None
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler or no AVX2/FMA: the fallback path runs")
-def test_kernel_reads_row_strided_activations_and_weight_views():
+@pytest.mark.parametrize("M", [3, 40])
+def test_kernel_reads_row_strided_activations_and_weight_views(isa, M):
     """Rows of x that are a column slice of a wider tensor, and a weight that is a row block of a fused
     matrix (how q/k/v and the per-expert views are stored)."""
-    x = torch.randn(3, 300)[:, 10:266]
+    x = torch.randn(M, 300)[:, 10:266]
     fused = torch.randn(96, 256).bfloat16()
     w = fused[32:96]
     torch.testing.assert_close(linear(x, w), _ref(x, w, None), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear(x[1], w), _ref(x[1:2], w, None)[0], atol=1e-4, rtol=1e-5)  # 1-D x
 
 
+@pytest.mark.parametrize("M", [1, 6])
+def test_kernel_with_k_over_1024_uses_heap_scratch(isa, M):
+    """K > 1024: the GEMM's weight panel no longer fits its stack buffer and is allocated."""
+    g = torch.Generator().manual_seed(M)
+    x, w, b = torch.randn(M, 1500, generator=g), torch.randn(7, 1500, generator=g).bfloat16(), torch.randn(7, generator=g)
+    torch.testing.assert_close(linear(x, w, b), _ref(x, w, b), atol=2e-5 * 1500 ** 0.5, rtol=1e-5)
+
+
+def test_panel_layout_and_cache_follow_the_weight():
+    """pack_panels puts columns j and 16 + j of each 32-column panel in one word (zero-padded past N); the cached
+    copy is dropped when the weight changes in place or dies, and is never made for inference tensors."""
+    w = torch.randn(40, 3).bfloat16()
+    p = packing.pack_panels(w)
+    assert p.shape == (2, 3, 16) and p.dtype == torch.int32
+    bits = w.view(torch.int16).to(torch.int32) & 0xFFFF
+    assert int(p[0, 2, 5]) & 0xFFFF == int(bits[5, 2]) and (int(p[0, 2, 5]) >> 16) & 0xFFFF == int(bits[21, 2])
+    assert int(p[1, 1, 7]) & 0xFFFF == int(bits[39, 1]) and int(p[1, 1, 8]) == 0  # padding columns 40.. are 0
+    assert packing.pack_panels(torch.stack([w, w])).shape == (2, 2, 3, 16)
+    v = torch.randn(64, 32).bfloat16()
+    assert packing.panels(v) is None and packing.panels(v) is not None  # packed on the second sight
+    used = packing.cache_bytes()
+    v.mul_(2)  # in place: the copy is stale
+    assert packing.panels(v) is None and packing.cache_bytes() == used - 64 * 32 * 2
+    assert packing.panels(v) is not None
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(linear(x, v), _ref(x, v, None), atol=1e-4, rtol=1e-5)
+    del v
+    assert packing.cache_bytes() == used - 64 * 32 * 2
+    with torch.inference_mode():
+        t = torch.randn(8, 8).bfloat16()
+        assert packing.panels(t) is None and packing.panels(t) is None
+
+
+def test_panel_cache_budget(monkeypatch):
+    monkeypatch.setenv("MOERAY_PANEL_CACHE_BYTES", "0")
+    w = torch.randn(8, 8).bfloat16()
+    assert packing.panels(w) is None and packing.panels(w) is None
+
+
 def test_fallback_paths_equal_the_widened_f_linear(monkeypatch):
-    """Large batches (and machines without the kernel) widen the weight and call F.linear; same-dtype weights
-    are plain F.linear."""
-    x = torch.randn(MAX_KERNEL_ROWS + 3, 40)
+    """Batches over MAX_GEMM_ROWS (and machines without the kernel) widen the weight and call F.linear;
+    same-dtype weights are plain F.linear."""
+    x = torch.randn(MAX_GEMM_ROWS + 3, 40)
     w = torch.randn(12, 40).bfloat16()
     torch.testing.assert_close(linear(x, w), F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
     monkeypatch.setattr(_build, "_lib", None)
@@ -88,7 +144,7 @@ def test_rms_norm_and_fused_residual_match_float64(shape):
 
 
 @needs_kernels
-@pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 24), (2, 2, 64), (6, 1, 8)])
+@pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 24), (2, 2, 64), (6, 1, 8), (3, 1, 12)])
 def test_decode_attention_matches_reference(H, Hkv, Dh):
     """Three decode sequences (lengths 1, 7 and 23 over blocks of 5, scattered block tables) among prefill
     rows: the kernel writes exactly the decode rows, equal to the reference's."""
@@ -132,6 +188,37 @@ def test_expert_ffn_rows_and_combined_token_match_torch():
     torch.testing.assert_close(expert_ffn(x[:1], gu, dn, k_ids, w), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(LocalExperts(gu, dn).combine_token(x[:1], k_ids, w), want, atol=1e-5, rtol=1e-5)
     assert expert_ffn(x, gu.float(), dn.float(), ids) is None  # fp32 weights: the caller's torch path
+
+
+@pytest.mark.parametrize("R", [1, 7, 70, 133])
+def test_expert_ffn_grouped_rows_match_float64(isa, R):
+    """Many rows in any order, several per expert (the grouped GEMM path: counting sort, two GEMMs per active
+    expert), padding ids among them, against float64 math over the widened weights; an id >= E raises."""
+    from kernels.cpu import expert_ffn
+
+    g = torch.Generator().manual_seed(R)
+    E, I, D = 6, 40, 36
+    gu = (torch.randn(E, 2 * I, D, generator=g) * 0.3).bfloat16()
+    dn = (torch.randn(E, D, I, generator=g) * 0.3).bfloat16()
+    x = torch.randn(R, D, generator=g)
+    ids = torch.randint(-1, E - 1, (R,), generator=g)  # expert E - 1 never used: an inactive expert
+
+    def f(xr, e):  # float64 SwiGLU expert e on one row
+        gate, up = (xr.double() @ gu[e].double().T).chunk(2)
+        return (F.silu(gate) * up) @ dn[e].double().T
+
+    want = torch.stack([f(x[r], e) if e >= 0 else torch.zeros(D, dtype=torch.float64)
+                        for r, e in enumerate(ids.tolist())])
+    for _ in range(2):  # row-major stacks, then their packed panel copies
+        y = expert_ffn(x, gu, dn, ids)
+        torch.testing.assert_close(y, want.float(), atol=2e-5, rtol=1e-5)
+        assert torch.equal(y[ids < 0], torch.zeros(int((ids < 0).sum()), D))
+    assert packing.panels(gu) is not None and packing.panels(dn) is not None
+    w, k_ids = torch.rand(R, generator=g), ids.clamp(min=0)  # one token through R experts, weighted and summed
+    want_1 = (w.double() @ torch.stack([f(x[0], e) for e in k_ids.tolist()]))[None]
+    torch.testing.assert_close(expert_ffn(x[:1], gu, dn, k_ids, w), want_1.float(), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_experts=6"):
+        expert_ffn(x, gu, dn, torch.full((R,), E))
 
 
 @pytest.mark.parametrize("bf16", [True, False])
