@@ -2,12 +2,13 @@
 
 In-process engine, world size 1, 1 torch thread, the shipped checkpoint. The tail of a step is the time from the
 LM head's return (`model.logits`) to the end of `RankEngine.run`: everything the engine does per sequence after
-the forward. Only decode steps that carry every sequence count (prefill steps and the ragged end are left out).
+the forward. Only decode steps that carry every sequence count (prefill steps and the ragged end are left out). Times are the
+step thread's CPU time (`time.thread_time`), so other processes on a shared machine inflate them less.
 
-    python bench/step_tail.py                       # 32 and 64 sequences x 128 tokens, greedy / sampled / stop
+    python bench/step_tail.py                       # 32 and 64 sequences x 128 tokens, every mode
     python bench/step_tail.py --seqs 64 --modes stop
 
-Modes: greedy (temperature 0); sampled (temperature 0.8, top_k 50, top_p 0.9, seeded); stop (greedy + two stop
+Modes: greedy (temperature 0); temp (temperature 1, seeded); sampled (temperature 0.8, top_k 50, top_p 0.9, seeded); stop (greedy + two stop
 strings that never match, so every token runs the held-back search). EOS is ignored so every sequence runs to
 max_tokens. Prints one line per (mode, seqs): mean and median tail per step in microseconds.
 To compare two versions, run this script from both checkouts alternately (timings are noisy on a shared machine).
@@ -33,6 +34,7 @@ from actors.moe.placement import ExpertPlacement  # noqa: E402
 
 MODES = {
     "greedy": dict(temperature=0.0),
+    "temp": dict(temperature=1.0, seed=1),
     "sampled": dict(temperature=0.8, top_k=50, top_p=0.9, seed=1),
     "stop": dict(temperature=0.0, stop=["<<never>>", "qqzzqq"]),
 }
@@ -50,7 +52,7 @@ def tail_per_step(eng: RankEngine, n: int, tokens: int, mode: str) -> list[float
 
     def timed_logits(h):
         out = logits_fn(h)
-        mark["t"] = time.perf_counter()
+        mark["t"] = time.thread_time()
         return out
 
     eng.model.logits = timed_logits
@@ -61,7 +63,7 @@ def tail_per_step(eng: RankEngine, n: int, tokens: int, mode: str) -> list[float
             full = len(plan.seqs) == n and not plan.meta.prefills
             mark.clear()
             eng.run(plan)
-            t = time.perf_counter()
+            t = time.thread_time()
             if full and "t" in mark:
                 tails.append(t - mark["t"])
     finally:
@@ -74,7 +76,7 @@ def main() -> None:
     ap.add_argument("--model", default="models/tiny-moe")
     ap.add_argument("--seqs", type=int, nargs="+", default=[32, 64])
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--modes", default="greedy,sampled,stop")
+    ap.add_argument("--modes", default="greedy,temp,sampled,stop")
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -8,14 +8,14 @@ string. The concatenation of all released deltas equals the final text exactly, 
 Byte-level tokenizers (GPT-2 / Qwen / Llama-3 style: a `ByteLevel` decoder) decode each new token in O(1):
 `tokenizer.decode` is a lossy UTF-8 decode of the concatenated bytes of the tokens (special tokens skipped),
 so the detokenizer keeps a per-id bytes table (built once per tokenizer, checked against
-`tokenizer.decode([id])` for every id) and feeds it to Python's incremental UTF-8 decoder (same
+`tokenizer.decode([id])` for every id) and feeds it to Python's UTF-8 decoder, incrementally (same
 replacement of invalid bytes as the tokenizers library's lossy decode: one U+FFFD per maximal invalid
 subpart). Other tokenizers decode the whole sequence again per token.
 """
 from __future__ import annotations
 
-import codecs
 import json
+from codecs import utf_8_decode as _utf8_decode
 
 from tokenizers import Tokenizer
 
@@ -107,7 +107,7 @@ class IncrementalDetokenizer:
         self.stopped = False
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._table = token_bytes(tokenizer)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table is not None else None
+        self._bytes = b""  # the start of a character whose remaining bytes have not come yet
         self._pending = ""  # decoded, not yet final (it ends with U+FFFD, which a later byte may still explain)
 
     def add(self, token_id: int) -> tuple[str, bool]:
@@ -115,9 +115,11 @@ class IncrementalDetokenizer:
             self.ids.append(token_id)
             return self._add_full()
         table = self._table
-        piece = self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
+        data = self._bytes + table[token_id] if 0 <= token_id < len(table) else self._bytes
+        piece, used = _utf8_decode(data, "replace", False)  # an incomplete last character stays in the bytes
+        self._bytes = data[used:]
         pending = self._pending + piece if self._pending else piece
-        if self._utf8.getstate()[0] or pending.endswith("\ufffd"):
+        if self._bytes or pending.endswith("\ufffd"):
             self._pending = pending  # wait for the rest of the character (as decode's trailing U+FFFD says)
             return "", False
         self._pending = ""
@@ -173,7 +175,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return self._release(len(self.text))
         if self._table is not None:
-            rest = self._pending + self._utf8.decode(b"", final=True)
+            rest = self._pending + _utf8_decode(self._bytes, "replace", True)[0]
+            self._bytes = b""
             self._pending = ""
             if not self.stop:
                 return rest

@@ -13,10 +13,11 @@ token stream differs from what moeray's per-row `torch.multinomial` drew before 
 one uniform per sampled token from the request's own stream makes a seeded request's tokens independent of
 its batch.
 
-Cost on CPU (why it is built this way): torch.sort and torch.topk over a [B, V] batch cost ~200 us and ~20 us a
-row; numpy's partition + a sort of the M candidates, a few us. torch.cumsum over V is sequential; the
-two-level prefix sum (`_first_cum_index`) is vectorized. exp() below -87.3 takes a ~100x slower path (hence the
-floor). Shape legend: B = rows, S = sampled rows, C = rows with a top-k/top-p cut, M = candidates, V = vocab.
+Why it is built this way (CPU; the measurements are in BENCHMARKS.md, "Batched sampler"): torch.sort,
+torch.topk and torch.argmax over a [B, V] batch are an order of magnitude slower than numpy's sort, partition
+and argmax; torch.cumsum over V is sequential, the two-level prefix sum (`_first_cum_index`) vectorized; exp()
+of inputs below -87.3 (subnormal or zero results) takes a far slower path, hence the floor.
+Shape legend: B = rows, S = sampled rows, C = rows with a top-k/top-p cut, M = candidates, V = vocab.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import random
 
 import numpy as np
 import torch
+
+from actors.engine.sampling import SamplingParams
 
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS). T = 1e-38 would overflow x / T.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -41,12 +44,12 @@ def make_generator(seed: int | None) -> random.Random:
     return random.Random(seed)
 
 
-def sample(logits_BV: torch.Tensor, params: list, generators: list[random.Random | None]
+def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None]
            ) -> tuple[list[int], dict[int, str]]:
     """Pick one token per row of `logits_BV` [B, V] (float, any device; sampled on CPU in fp32), batched.
 
     Args:
-        params: one `SamplingParams` per row (temperature, top_k, top_p are read).
+        params: one per row (temperature, top_k, top_p are read).
         generators: one per row, `make_generator`'s; only sampled rows' are read (greedy rows' may be None).
     Returns:
         (tokens: B ints, -1 for a failed row; errors: row -> message, empty when every row succeeded).
@@ -58,9 +61,11 @@ def sample(logits_BV: torch.Tensor, params: list, generators: list[random.Random
     if B == 0:
         return [], {}
     x = logits_BV.detach().to("cpu", torch.float32)
-    mx = torch.amax(x, dim=1)  # nan if any nan
-    tokens: list[int] = np.argmax(x.numpy(), axis=1).tolist()  # first maximum; numpy's is ~20x torch's on CPU
-    finite = torch.isfinite(mx).tolist()
+    best = np.argmax(x.numpy(), axis=1)  # the first maximum (a nan wins)
+    mxn = x.numpy()[np.arange(B), best]  # row max: nan if any nan, inf if any inf, -inf if all are
+    mx = torch.from_numpy(mxn)
+    tokens: list[int] = best.tolist()
+    finite = np.isfinite(mxn).tolist()
     errors: dict[int, str] = {}
     rows, temps, ks, ps, us = [], [], [], [], []
     for i, p in enumerate(params):
