@@ -35,7 +35,7 @@ class DecodeAttentionArgs(ctypes.Structure):
 
 class ExpertFFNArgs(ctypes.Structure):
     """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
-    _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L E, L D, L I, P y, L sy")
+    _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L K, L E, L D, L I, P y, L sy")
 
 
 class PackRowsArgs(ctypes.Structure):
