@@ -145,9 +145,10 @@ def test_rms_norm_and_fused_residual_match_float64(shape):
 
 @needs_kernels
 @pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 24), (2, 2, 64), (6, 1, 8), (3, 1, 12)])
-def test_decode_attention_matches_reference(H, Hkv, Dh):
+def test_decode_attention_matches_reference(isa, H, Hkv, Dh):
     """Three decode sequences (lengths 1, 7 and 23 over blocks of 5, scattered block tables) among prefill
-    rows: the kernel writes exactly the decode rows, equal to the reference's."""
+    rows: the kernel writes exactly the decode rows, equal to the reference's (AVX-512: head pairs and a lone
+    head of a KV group, head dims not multiples of 16)."""
     from actors.model.attention import AttentionMetadata, paged_attention_ref
     from kernels.cpu import decode_attention
 
