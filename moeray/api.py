@@ -9,7 +9,7 @@ import ray
 from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
-from router_service.router import DEFAULT_MAX_QUEUE, Router
+from router_service.router import Router
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray")
@@ -34,7 +34,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, ranks: int | None = None, address: str | None = None,
-                 max_queue: int = DEFAULT_MAX_QUEUE, kv_bits: int | None = None, kv_profile: str | None = None, **cluster_kw):
+                 max_queue: int | None = None, kv_bits: int | None = None, kv_profile: str | None = None, **cluster_kw):
         if model is not None:
             cluster_kw["model"] = model
         if ranks is not None:

@@ -50,6 +50,12 @@ def add_engine_args(p) -> None:
                    help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
                    help="running sequences per rank at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_CLUSTER["max_batched_tokens"].default,
+                   help="tokens per engine step at most (decodes first, then prefill chunks), per rank; >= "
+                        "--max-num-seqs")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill long prompts in chunks mixed into decode steps under --max-num-batched-tokens, "
+                        "so running streams keep their pace (off: a prompt is prefilled whole in one step)")
     p.add_argument("--kv-cache-bytes", type=int, default=_CLUSTER["kv_cache_bytes"].default,
                    help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default=_CLUSTER["dtype"].default, choices=["float32", "bfloat16", "float16"],
@@ -91,12 +97,15 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on a bad --gating-option (malformed, unknown key or out-of-range value), a negative
+    Raises ValueError on --max-num-batched-tokens below --max-num-seqs, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
     --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
     (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
     expert cache is left at its CPU default of 0."""
     if a.expert_cache is not None and a.expert_cache < 0:
         raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
+    if a.max_num_batched_tokens < a.max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens={a.max_num_batched_tokens} must be >= --max-num-seqs="
+                         f"{a.max_num_seqs} (a full decode batch must fit one step)")
     if a.resident_experts is not None and a.resident_experts < 1:
         raise ValueError(f"--resident-experts={a.resident_experts} must be >= 1")
     asked = [f for f, on in (("--expert-cache", a.expert_cache is not None),
@@ -113,11 +122,11 @@ def engine_kwargs(a) -> dict:
               "(packed experts run from their packed bytes), so nothing would be prefetched there; pass "
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
-              dtype=a.dtype)
+              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,
-            "weight_storage": a.weight_storage}
+            "weight_storage": a.weight_storage, "enable_chunked_prefill": a.enable_chunked_prefill}
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
         from actors.moe.gating import GatingConfig

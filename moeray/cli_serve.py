@@ -3,8 +3,9 @@
     moeray serve --model models/tiny-moe --ranks 2 --http-port 8000 --grpc-port 50051
 
 Both listen on --host (127.0.0.1 unless told otherwise). With --http-port > 0 the EP cluster lives in
-the Serve replica (`router_service.serve.deployment.MoerayServer`) and the gRPC server runs in that replica
-too, sharing its router; with --http-port 0 no Serve is started and the gRPC server runs in this
+the Serve replica (`router_service.serve.deployment.MoerayServer`), which serves HTTP itself on --http-port
+(`--http-via replica`, the default: no Serve proxy hop per streamed event; `--http-via proxy`: through Ray
+Serve's HTTP proxy), and the gRPC server runs in that replica too, sharing its router; with --http-port 0 no Serve is started and the gRPC server runs in this
 process (a standalone server). `--grpc-proxy` answers gRPC through Ray Serve's own gRPC proxy instead
 (the path deploy/serve_config.yaml uses), which binds every interface whatever --host says (Serve 2.60
 has no host option for it). The gRPC server admits --max-queue streams plus a few control calls.
@@ -38,9 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: no HTTP, no Serve)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: no gRPC)")
     p.add_argument("--api-key", default=None, help="required bearer key (default: $MOERAY_API_KEY; none if unset)")
-    p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default, help="requests in flight before 503 / RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default, help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: "
+                        "by memory, 4096 at max_model_len 1024)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--http-via", choices=("replica", "proxy"), default="replica",
+                   help="replica: the Serve replica serves HTTP itself on --http-port (no proxy hop per streamed "
+                        "event; Serve still manages the replica); proxy: through Ray Serve's HTTP proxy")
     p.add_argument("--grpc-proxy", action="store_true",
                    help="serve gRPC through Ray Serve's gRPC proxy on --grpc-port (binds every interface, "
                         "not --host) instead of the replica's own server on --host")
@@ -97,6 +102,14 @@ def _port_problem(a) -> str | None:
         except OSError as e:
             return f"{flag}={port}: cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
     return None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def owns_local_ray(address: str | None) -> bool:
@@ -172,14 +185,21 @@ def cmd_serve(a) -> int:
 
     ranks = a.ranks or (torch.cuda.device_count() or 2)  # as LLM / ClusterConfig.auto: one per GPU, else 2
     in_replica = a.grpc_port and not a.grpc_proxy
+    direct = a.http_via == "replica"
     args = ServeAppArgs(model=os.path.abspath(a.model), ranks=ranks, max_queue=a.max_queue, api_key=api_key,
                         grpc_port=a.grpc_port if in_replica else None, grpc_host=a.host,
+                        http_port=a.http_port if direct else None, http_host=a.host,
                         served_model_name=a.served_model_name, cluster_options=a.cluster_kw)
     grpc_options = None
     if a.grpc_proxy:
         grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
                         "request_timeout_s": 600}
-    serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
+    if not direct:
+        serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
+    elif a.grpc_proxy:  # the proxies carry gRPC; their HTTP side gets a loopback port nobody needs to know
+        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, grpc_options=grpc_options)
+    else:
+        serve.start(proxy_location="Disabled")
     # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
     app = build_app(args)
     # serve.run re-enters serve.start, which logs "Connecting to existing Serve app ... New http_options ... will

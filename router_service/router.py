@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -26,9 +25,11 @@ import ray
 from tokenizers import Tokenizer
 
 from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
+from actors.rank.output_channel import read_frame
 from actors.engine.sampling import SamplingParams
 from cluster.launcher import EPCluster
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.admission import default_max_queue, max_prompt_chars
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
@@ -38,43 +39,26 @@ log = logging.getLogger("moeray.router")
 CHANNEL_SILENCE_S = 15.0
 
 
-def _recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
-    """n bytes from `conn`; `on_timeout()` runs on each socket timeout (it raises to give up). Raises
-    ConnectionError if the peer closes first."""
-    buf = bytearray()
-    while len(buf) < n:
-        try:
-            chunk = conn.recv(n - len(buf))
-        except TimeoutError:
-            on_timeout()
-            continue
-        if not chunk:
-            raise ConnectionError("output channel closed")
-        buf += chunk
-    return bytes(buf)
-
-
-# requests in flight per Router before OverloadedError (the Python API's default; `moeray serve` takes
-# `ServeAppArgs.max_queue`)
-DEFAULT_MAX_QUEUE = 1024
-
 class Router:
     """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
 
     Args:
-        cluster: a running `EPCluster`. max_queue: in-flight requests at most before refusing.
+        cluster: a running `EPCluster`. max_queue: in-flight requests (running + queued) at most before refusing
+            (None: `default_max_queue(max_model_len)`).
     Raises (from `submit`):
-        InvalidRequestError: empty prompt, token ids out of vocab, prompt + max_tokens over
-            max_model_len (the message names the field and the limit).
+        InvalidRequestError: empty prompt, a text prompt over `max_prompt_chars` characters (refused before it is
+            tokenized), token ids out of vocab, prompt + max_tokens over max_model_len (the message names the field
+            and the limit).
         OverloadedError: more than `max_queue` requests in flight.
     """
 
-    def __init__(self, cluster: EPCluster, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, cluster: EPCluster, max_queue: int | None = None):
         self.cluster = cluster
         self.cfg = cluster.cfg
         self.tokenizer = Tokenizer.from_file(f"{self.cfg.model}/tokenizer.json")
         self.vocab_size = cluster.model_config.vocab_size
-        self.max_queue = max_queue
+        self.max_queue = max_queue if max_queue is not None else default_max_queue(self.cfg.max_model_len)
+        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.cfg.max_model_len)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -98,7 +82,7 @@ class Router:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "prompt is empty")
-            ids = self.tokenizer.encode(prompt).ids
+            ids = self.encode(prompt, "prompt")
         else:
             ids = list(prompt)
             bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
@@ -117,6 +101,18 @@ class Router:
         except ValueError as e:
             raise InvalidRequestError("kv_profile", str(e)) from e
         return ids
+
+    def encode(self, text: str, field: str = "prompt") -> list[int]:
+        """Token ids of `text`, refused untokenized when it has more than `max_prompt_chars` characters.
+
+        Raises:
+            InvalidRequestError: naming `field`, the length and the limit.
+        """
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(field, f"{field} has {len(text)} characters; the context window is "
+                                             f"{self.cfg.max_model_len} tokens, which no text over "
+                                             f"{self.max_prompt_chars} characters fits")
+        return self.tokenizer.encode(text).ids
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
@@ -197,8 +193,7 @@ class Router:
                     raise RuntimeError(h["error"] or "loop thread stopped")
 
             while not self._closed and gen == self._gen:
-                n = struct.unpack(">I", _recv_exact(conn, 4, alive))[0]
-                outs, failed = decode_frame(_recv_exact(conn, n, alive) if n else b"")
+                outs, failed = decode_frame(read_frame(conn, alive))
                 self._dispatch(outs)
                 if failed is not None:
                     raise RuntimeError(failed)
@@ -210,14 +205,21 @@ class Router:
                 conn.close()
 
     def _dispatch(self, outs: list[TokenOutput]) -> None:
-        for o in outs:
-            with self._lock:
-                stream = self._streams.get(o.request_id)
+        """Route one frame's outputs to their streams: one lock for the lookups, and one post per event loop for
+        the streams attached to one (`LoopMailbox`), so a step of N sequences wakes a front door's loop once."""
+        with self._lock:
+            streams = [self._streams.get(o.request_id) for o in outs]
+        posts: dict = {}
+        for o, stream in zip(outs, streams):
             if stream is None:
                 continue
-            stream._push(o)
+            sent = stream._push(o)
+            if sent is not None:
+                posts.setdefault(sent[0], []).append(sent[1])
             if o.finish_reason is not None:
                 self._finish(o.request_id)
+        for mailbox, items in posts.items():
+            mailbox.post(items)
 
     def _fail_rank(self, rank: int | None, err: str) -> int:
         """End every in-flight request on `rank` (None: on every rank) with `finish_reason="error"`.
@@ -225,7 +227,9 @@ class Router:
         with self._lock:
             victims = [s for s in self._streams.values() if rank is None or s.rank == rank]
         for s in victims:
-            s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+            sent = s._push(TokenOutput(request_id=s.request_id, finish_reason="error", error=err))
+            if sent is not None:
+                sent[0].post([sent[1]])
             self._finish(s.request_id)
         return len(victims)
 

@@ -4,12 +4,18 @@
 The router creates a stream on admission and pushes every `TokenOutput` of the request into it from its
 rank's poller thread; the stream ends with exactly one output whose `finish_reason` is set, which also
 sets `done` and fills the final `RequestOutput`. Readers (front doors, `LLM`) iterate it from any thread.
+
+Asyncio readers (the HTTP front door) `attach` the stream to their event loop's `LoopMailbox` instead: the router
+then hands the loop all outputs of one rank frame (one engine step, every sequence's new tokens) in one
+`call_soon_threadsafe`, not one thread hop and one loop wake-up per token per stream.
 """
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +62,54 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+class LoopMailbox:
+    """The hand-over point from the router's poller threads to one asyncio event loop (one per loop: `of`).
+
+    `post(items)` (any thread) queues (asyncio.Queue, key, output) triples and schedules at most one drain on the
+    loop while one is pending; the drain (on the loop) `put_nowait`s `(key, output)` into each queue. Posting a
+    whole frame at once costs one loop wake-up per frame, whatever the number of streams in it.
+    """
+
+    _by_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopMailbox]" = weakref.WeakKeyDictionary()
+    _by_loop_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple] = []
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopMailbox":
+        """The mailbox of `loop` (created on first use)."""
+        with cls._by_loop_lock:
+            mb = cls._by_loop.get(loop)
+            if mb is None:
+                mb = cls._by_loop[loop] = cls(loop)
+            return mb
+
+    def post(self, items: list[tuple]) -> None:
+        """Queue `(asyncio.Queue, key, TokenOutput)` items for the loop (any thread). A closed loop drops them
+        (its readers are gone; the front door aborted their requests)."""
+        with self._lock:
+            self._items.extend(items)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop is closed
+            with self._lock:
+                self._items.clear()
+                self._scheduled = False
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for q, key, o in items:
+            q.put_nowait((key, o))
+
+
 class RequestStream:
     """Outputs of one request as they arrive (thread-safe). Iterate for `TokenOutput`s; `result()`
     waits for the end. `cancel()` aborts it on its rank and frees its KV blocks."""
@@ -70,12 +124,30 @@ class RequestStream:
         # a cancel that arrives while the rank is still taking the request is replayed once it has it
         self.admitted = False
         self.abort_pending = False
+        self._sink: tuple | None = None  # (LoopMailbox, asyncio.Queue, key) once `attach`ed
+        self._sink_lock = threading.Lock()
+
+    def attach(self, mailbox: LoopMailbox, q: "asyncio.Queue", key) -> None:
+        """Deliver this stream's outputs as `(key, output)` into asyncio queue `q` through `mailbox` (its loop),
+        from now on; outputs that arrived before are handed over first, in order. Call once, before reading."""
+        with self._sink_lock:
+            early = []
+            while True:
+                try:
+                    early.append((q, key, self.q.get_nowait()))
+                except queue.Empty:
+                    break
+            self._sink = (mailbox, q, key)
+            if early:  # under the lock: a later output's post cannot overtake them
+                mailbox.post(early)
 
     def get(self, timeout: float | None = None) -> TokenOutput:
         """The next output (blocking up to `timeout` s). Raises queue.Empty on timeout."""
         return self.q.get(timeout=timeout)
 
-    def _push(self, o: TokenOutput) -> None:
+    def _push(self, o: TokenOutput) -> tuple | None:
+        """Record `o` (router threads). Returns `(mailbox, item)` for the caller to post (batched per frame) when
+        the stream is attached to an event loop; None when `o` went to the thread-safe queue."""
         now = time.perf_counter() - self.t0
         if o.token_ids:
             if self.out.ttft_s is None:
@@ -87,7 +159,12 @@ class RequestStream:
             self.out.finish_reason = o.finish_reason
             self.out.error = o.error
             self.done.set()
-        self.q.put(o)
+        with self._sink_lock:
+            sink = self._sink
+            if sink is None:
+                self.q.put(o)
+                return None
+        return sink[0], (sink[1], sink[2], o)
 
     def __iter__(self):
         while True:

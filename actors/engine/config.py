@@ -26,7 +26,11 @@ class EngineConfig:
     kv_cache_bytes: int = 64 * 2**20
     max_model_len: int = 1024
     max_num_seqs: int = 64
-    max_batched_tokens: int = 4096
+    # tokens computed per step at most (decodes + prefill chunks), vLLM's --max-num-batched-tokens; with
+    # enable_chunked_prefill (--enable-chunked-prefill) a long prompt is split into chunks mixed into decode
+    # steps, so running streams keep their pace (actors.engine.scheduler)
+    max_batched_tokens: int = 256
+    enable_chunked_prefill: bool = True
     num_threads: int = 0  # 0: leave torch's default
     kernel_backend: str = "torch"  # "torch" (PyTorch reference) | "triton"
     # KV cache: kv_bits None = full precision; 2/3/4 = quantized with profile `kv_profile`
@@ -68,6 +72,9 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_batched_tokens={self.max_batched_tokens} must be >= max_num_seqs="
+                             f"{self.max_num_seqs} (a full decode batch must fit one step)")
         self.gating_config()  # validates policy and options
 
     def gating_config(self) -> GatingConfig:

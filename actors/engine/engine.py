@@ -24,16 +24,17 @@ from tokenizers import Tokenizer
 from actors.model.attention import AttentionMetadata
 from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
-from actors.engine.detokenizer import IncrementalDetokenizer
+from actors.engine.detokenizer import IncrementalDetokenizer, take_token
 from actors.engine.eplb import PlacementMixin
-from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata
+from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.experts import Experts, local_experts
 from actors.moe.placement import ExpertPlacement
 from actors.kv.paged import PagedKVCache
 from actors.engine.messages import GenerateRequest, TokenOutput
 from actors.model.model import NO_OBSERVER, MoEModel, RoutingObserver, StepContext
-from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams, sample
+from actors.engine.sampler import make_generator, sample
+from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams
 from actors.engine.scheduler import Scheduler, Sequence
 from actors.model.weights import load_rank_weights
 from kernels.cpu import cpu_kernels_available
@@ -88,7 +89,8 @@ class RankEngine(PlacementMixin):
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.cache = self._build_kv_cache()
-        self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens)
+        self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens,
+                                   cfg.enable_chunked_prefill)
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
         self.eos = set(mc.eos_token_ids)
         self._lock = threading.Lock()
@@ -143,10 +145,7 @@ class RankEngine(PlacementMixin):
             self._kv_profile_of[req.request_id] = self.cache.choose_profile(params.kv_profile, text)
         elif params.kv_profile not in (None, KV_PROFILE_AUTO):
             raise ValueError(f"kv_profile={params.kv_profile!r} needs a quantized KV cache (kv_bits is unset)")
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        gen = make_generator(params.seed) if params.temperature > 0 else None
         seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=params,
                        detok=IncrementalDetokenizer(self.tokenizer, params.stop), generator=gen, arrival=req.arrival)
         with self._lock:
@@ -224,7 +223,8 @@ class RankEngine(PlacementMixin):
         gating = build_gating_batch(seqs, pos, meta, slot_of=self._slot_of, free_slots=self._free_slots,
                                     running=self.scheduler.running, default=self.model.gating_router.cfg.policy,
                                     dev=self.device)
-        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating)
+        sampled, rows = sampled_rows(prefills, decodes, meta, self.device)
+        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating, sampled=sampled, logit_rows=rows)
         self.timing["schedule_s"] += time.perf_counter() - t0
         return plan
 
@@ -238,15 +238,18 @@ class RankEngine(PlacementMixin):
         t1 = time.perf_counter()
         h = self.model.forward(plan.ids, plan.pos, self.cache, meta, ctx)
         t2 = time.perf_counter()
+        for seq in seqs:
+            seq.num_cached += seq.num_scheduled  # the step's K/V are in the cache now
+        seqs = plan.sampled  # a sequence mid-prefill gets no token (and needs no logits) until its last chunk
         if seqs:
-            if meta.prefills:
-                last = [s + n - 1 for s, n, _, _ in meta.prefills] + meta.decode_tokens.tolist()
-                h = h[torch.tensor(last, dtype=torch.int64, device=self.device)]
+            if plan.logit_rows is not None:
+                h = h[plan.logit_rows]
             # decode only: token i is sequence i's one new token, so every row is a last row, in order
             logits = self.model.logits(h).cpu()
-            toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            toks, errors = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            for i, err in errors.items():  # that request ends; the others keep their tokens (toks[i] = -1)
+                self._end(seqs[i], err=err)
             for seq, tok in zip(seqs, toks):
-                seq.num_cached = seq.length
                 self._append(seq, tok)
         t3 = time.perf_counter()
         self.timing["steps"] += 1
@@ -269,27 +272,25 @@ class RankEngine(PlacementMixin):
         bias /= dist.get_world_size(self.group)
 
     def _append(self, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        is_eos = tok in self.eos and not p.ignore_eos
-        reason = None
-        text = ""
-        if is_eos:
-            reason = "stop"
-        else:
-            seq.output_ids.append(tok)
-            text, stopped = seq.detok.add(tok)
-            if stopped or tok in p.stop_token_ids:
-                reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.length >= self.cfg.max_model_len:
-                reason = "length"
+        """Emit `seq`'s sampled token (`take_token`'s rules); tok < 0: the sampler failed the row, `run` ended it."""
+        if tok < 0:
+            return
+        try:
+            ids, text, reason = take_token(seq, tok, self.eos, self.cfg.max_model_len)
+        except Exception as e:  # a bug in one sequence's state ends that request, never the step
+            return self._end(seq, err=f"output handling failed: {e!r:.300}")
+        out = TokenOutput(request_id=seq.request_id, token_ids=ids, text=text, finish_reason=reason,
+                          prompt_tokens=len(seq.prompt_ids), num_preemptions=seq.num_preemptions)
         if reason is not None:
-            self._release(seq.request_id)
-            if not seq.detok.stopped:
-                text += seq.detok.flush()
-            self.scheduler.finish(seq)
-        self.outputs.append(TokenOutput(request_id=seq.request_id, token_ids=[] if is_eos else [tok], text=text,
-                                        finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
-                                        num_preemptions=seq.num_preemptions))
+            return self._end(seq, out)
+        self.outputs.append(out)
+
+    def _end(self, seq: Sequence, out: TokenOutput | None = None, err: str | None = None) -> None:
+        """Finish `seq` (KV blocks, gating slot, KV profile freed) with its last output: `out`, or error `err`."""
+        self._release(seq.request_id)
+        self.scheduler.finish(seq)
+        self.outputs.append(out or TokenOutput(request_id=seq.request_id, finish_reason="error", error=err,
+                                               prompt_tokens=len(seq.prompt_ids), num_preemptions=seq.num_preemptions))
 
     # ------------------------------------------------------------------------ utilities
     @torch.inference_mode()

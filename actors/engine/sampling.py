@@ -1,14 +1,10 @@
-"""Sampling parameters and the per-step sampler.
-
-Shape legend: B = sequences sampled this step, V = vocab.
-"""
+"""Sampling parameters: what a request asks of the sampler (`actors.engine.sampler`), validated."""
 from __future__ import annotations
 
 import functools
 import re
 from dataclasses import asdict, dataclass, field
 
-import torch
 
 from actors.kv.profile_choice import AUTO as KV_PROFILE_AUTO
 from actors.moe.gating import POLICIES
@@ -61,7 +57,8 @@ def served_kv_profiles(model_dir: str, kv_bits: int | None, kv_profile: str | No
 class SamplingParams:
     """How to pick each next token of one request (vLLM-compatible names).
 
-    temperature: 0 means greedy; otherwise in (0, 100]. top_k: 0 or -1 disables, else >= 1.
+    temperature: 0 means greedy (so does anything below `actors.engine.sampler.GREEDY_BELOW_TEMPERATURE`, 1e-5,
+    as in vLLM); otherwise in (0, 100]. top_k: 0 or -1 disables, else >= 1.
     top_p: in (0, 1]. max_tokens: >= 1 output tokens. seed: per-request RNG seed (None: random).
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
     it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
@@ -137,26 +134,3 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         return cls(**d)
-
-
-def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """Pick one token per row. Greedy rows use argmax; others temperature, top-k, top-p, then a
-    draw from the row's own generator (so a seeded request is reproducible whatever its batch)."""
-    out: list[int] = []
-    greedy = logits_BV.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.temperature == 0.0:
-            out.append(greedy[i])
-            continue
-        x = logits_BV[i].float() / p.temperature
-        if p.top_k and p.top_k > 0 and p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            keep = sp.cumsum(0) - sp < p.top_p  # smallest prefix whose mass reaches top_p
-            sp = torch.where(keep, sp, torch.zeros_like(sp))
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
-    return out

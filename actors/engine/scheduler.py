@@ -1,18 +1,28 @@
-"""Continuous batching on one rank: sequences, admission, KV-block budgeting and preemption.
+"""Continuous batching on one rank: sequences, admission, chunked prefill, KV-block budgeting and preemption.
 
-Each step the scheduler admits waiting sequences (FIFO) while their whole prompt fits in free KV
-blocks and the running set and token budget allow, and gives every running sequence a slot for
-its next token. When a decode needs a new block and none is free, the most recently admitted
-running sequence is preempted: its blocks are freed and it goes back to the front of the queue,
-to be recomputed (prompt + tokens generated so far) when memory frees up. A sequence that could
-never fit is failed, never left to wait forever.
+Each step computes at most `max_batched_tokens` new tokens (vLLM's `--max-num-batched-tokens`), in this order:
+  1. decodes: every running sequence with one token left to compute (its newest token) gets a slot. When
+     one needs a new block and none is free, the most recently admitted running sequence is preempted: its
+     blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens generated
+     so far) when memory frees up;
+  2. with `enable_chunked_prefill` (vLLM's `--enable-chunked-prefill`, the default), the rest of the budget
+     goes to prefill chunks: first the running sequences part-way through their prefill (oldest first), then
+     waiting sequences admitted FIFO while their whole length fits in free KV blocks and the running set
+     allows. A chunk is the next min(tokens left, budget left) tokens of the sequence; the sequence holds
+     its blocks across chunks, `num_cached` advances by the chunk once the step ran, and it gets no token
+     until the step that computes its last position (whose logits are sampled). A sequence whose last chunk
+     would be one token is scheduled as a decode of that token (same position, context and result).
+     Without chunking, a waiting sequence's whole prompt is one prefill; one longer than the budget is
+     still admitted when it is the step's first prefill, so nothing starves.
+Admission allocates the blocks of the sequence's whole current length (so a sequence mid-prefill never
+waits for blocks; only decode growth preempts it). A sequence that could never fit is failed, never left to
+wait forever.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-
-import torch
+import random
 
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.kv.allocator import BlockAllocator
@@ -27,10 +37,11 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None = None
+    generator: random.Random | None = None  # its uniform stream (`sampling.make_generator`); None: greedy
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
+    num_scheduled: int = 0  # tokens this step computes: positions [num_cached, num_cached + num_scheduled)
     num_preemptions: int = 0
     arrival: float = 0.0
 
@@ -42,28 +53,44 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end] without copying the whole sequence."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - n):end - n]
+
 
 @dataclass(kw_only=True, slots=True)
 class ScheduledBatch:
-    prefills: list[Sequence]  # whole (re)computed prompts this step
-    decodes: list[Sequence]  # one new token each
+    """One step's work; each sequence's `num_scheduled` says how many of its tokens the step computes."""
+
+    prefills: list[Sequence]  # prefill chunks (continuing ones first, then new admissions), in that order
+    decodes: list[Sequence]  # one token each
     failed: list[tuple[Sequence, str]]  # could never be scheduled: (sequence, error message)
 
 
 class Scheduler:
-    """FIFO admission + decode slots with preemption by recompute.
+    """FIFO admission, decode slots, chunked prefill under a per-step token budget, preemption by recompute.
 
     Args:
         allocator: the rank's KV block allocator. block_size: tokens per block.
-        max_num_seqs: running sequences at most. max_batched_tokens: new tokens per step at most
-        (a prompt longer than this is still admitted alone, so nothing starves).
+        max_num_seqs: running sequences at most. max_batched_tokens: tokens computed per step at most
+        (decodes + prefill chunks; without chunking, a prompt longer than this is still admitted alone).
+        enable_chunked_prefill: split prefills into chunks that fit the budget left after the decodes.
+    Raises:
+        ValueError: max_batched_tokens < max_num_seqs (a full decode batch must fit one step).
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_batched_tokens: int):
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_batched_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        if max_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_batched_tokens={max_batched_tokens} must be >= max_num_seqs={max_num_seqs}")
         self.alloc = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.chunked = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -104,12 +131,18 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def schedule(self) -> ScheduledBatch:
+        """This step's decodes and prefill chunks (module docstring); sets each one's `num_scheduled`."""
         failed: list[tuple[Sequence, str]] = []
-        # 1) decode slots for running sequences, newest preempted first when blocks run out
+        # 1) decode slots for running sequences, newest preempted first when blocks run out; sequences part-way
+        #    through their prefill hold the blocks of their whole length already
         decodes: list[Sequence] = []
+        partial: list[Sequence] = []
         for seq in list(self.running):
             if seq not in self.running:
                 continue  # preempted below
+            if seq.length - seq.num_cached > 1:
+                partial.append(seq)
+                continue
             need = self._blocks_for(seq.length) - len(seq.block_table)
             while need > self.alloc.num_free:
                 victim = self.running[-1]
@@ -120,11 +153,20 @@ class Scheduler:
                 continue
             for _ in range(need):
                 seq.block_table.append(self.alloc.allocate())
+            seq.num_scheduled = 1
             decodes.append(seq)
-        # 2) admit waiting sequences (FIFO) while blocks, slots and the token budget allow
-        prefills: list[Sequence] = []
         budget = self.max_batched_tokens - len(decodes)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        # 2) continue partial prefills (oldest first) within the budget
+        prefills: list[Sequence] = []
+        for seq in partial:
+            if budget <= 0:
+                break
+            if seq in self.running:  # not preempted by a decode above
+                seq.num_scheduled = min(seq.length - seq.num_cached, budget)
+                budget -= seq.num_scheduled
+                prefills.append(seq)
+        # 3) admit waiting sequences (FIFO) while blocks, slots and the token budget allow
+        while self.waiting and len(self.running) < self.max_num_seqs and (budget > 0 or not self.chunked):
             seq = self.waiting[0]
             need_blocks = self._blocks_for(seq.length)
             if need_blocks > self.alloc.num_blocks:
@@ -132,12 +174,13 @@ class Scheduler:
                 failed.append((seq, f"sequence of {seq.length} tokens needs {need_blocks} KV blocks; "
                                     f"the cache has {self.alloc.num_blocks}"))
                 continue
-            if need_blocks > self.alloc.num_free or (prefills and seq.length > budget):
+            if need_blocks > self.alloc.num_free or (not self.chunked and prefills and seq.length > budget):
                 break
             self.waiting.popleft()
             seq.block_table = [self.alloc.allocate() for _ in range(need_blocks)]
             seq.num_cached = 0
+            seq.num_scheduled = min(seq.length, budget) if self.chunked else seq.length
             self.running.append(seq)
             prefills.append(seq)
-            budget -= seq.length
+            budget -= seq.num_scheduled
         return ScheduledBatch(prefills=prefills, decodes=decodes, failed=failed)

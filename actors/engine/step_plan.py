@@ -1,8 +1,13 @@
 """What one engine step runs: the scheduled sequences flattened into token ids, positions, attention metadata
 and the gating batch (`StepPlan`), built from the scheduler's prefills and decodes.
 
-Token layout (every consumer relies on it): the prefills' whole prompts first, in scheduling order, then one
-token per decode sequence, in order; so decode token i of a decode-only step is sequence i's new token.
+Token layout (every consumer relies on it): the prefill chunks first, in scheduling order, each the
+contiguous positions [num_cached, num_cached + num_scheduled) of its sequence (a whole prompt when it fits
+the budget, else a chunk: `actors.engine.scheduler`), then one token per decode sequence, in order; so
+decode token i of a decode-only step is sequence i's new token. `meta.prefills[i]` = (first row, chunk
+length n, context length after the chunk, block table): the chunk's queries attend to the sequence's cached
+K/V of earlier chunks plus, causally, the chunk itself. Only sequences whose last position is in the step
+need logits (`StepPlan.sampled`, rows `logit_rows`): a prefill whose chunk ends the sequence, every decode.
 
 Shape legend: T = tokens in the step, M = most KV blocks of a decode sequence.
 """
@@ -20,13 +25,17 @@ from actors.moe.gating import POLICIES, GatingBatch
 @dataclass(kw_only=True, slots=True)
 class StepPlan:
     """One scheduled step: its sequences (prefills first), flattened token ids [T] and positions [T] (int64),
-    attention metadata and gating batch. `num_tokens` = T."""
+    attention metadata and gating batch. `num_tokens` = T. `sampled`: the sequences that get a token this step
+    (those whose last position is computed), in `seqs` order; `logit_rows`: [N] int64 rows of the step's hidden
+    states they sample from, or None when every row is one (a decode-only step)."""
 
     seqs: list[Sequence]
     ids: torch.Tensor
     pos: torch.Tensor
     meta: AttentionMetadata
     gating: GatingBatch
+    sampled: list[Sequence]
+    logit_rows: torch.Tensor | None
 
     @property
     def num_tokens(self) -> int:
@@ -35,16 +44,17 @@ class StepPlan:
 
 def build_metadata(prefills: list[Sequence], decodes: list[Sequence], bs: int, dev: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """(token ids [T], positions [T], attention metadata) of a step; `bs`: tokens per KV block."""
+    """(token ids [T], positions [T], attention metadata) of a step; `bs`: tokens per KV block. A prefill
+    covers its sequence's positions [num_cached, num_cached + num_scheduled)."""
     ids, pos, slots = [], [], []
     pf_meta = []
     for seq in prefills:
-        toks = seq.all_ids
+        a, n = seq.num_cached, seq.num_scheduled
         start = len(ids)
-        ids += toks
-        pos += range(len(toks))
-        slots += [seq.block_table[i // bs] * bs + i % bs for i in range(len(toks))]
-        pf_meta.append((start, len(toks), len(toks), torch.tensor(seq.block_table, dtype=torch.int64)))
+        ids += seq.token_ids(a, a + n)
+        pos += range(a, a + n)
+        slots += [seq.block_table[i // bs] * bs + i % bs for i in range(a, a + n)]
+        pf_meta.append((start, n, a + n, torch.tensor(seq.block_table, dtype=torch.int64)))
     dec_tok = []
     for seq in decodes:
         i = seq.length - 1
@@ -68,13 +78,28 @@ def build_metadata(prefills: list[Sequence], decodes: list[Sequence], bs: int, d
     return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
 
 
+def sampled_rows(prefills: list[Sequence], decodes: list[Sequence], meta: AttentionMetadata,
+                 dev: torch.device) -> tuple[list[Sequence], torch.Tensor | None]:
+    """(sequences that get a token this step, their rows [N] int64 or None = every row, decode-only): a
+    prefill whose chunk reaches its sequence's length, then every decode (layout of `build_metadata`)."""
+    if not prefills:
+        return list(decodes), None
+    done = [(s, start + n - 1) for s, (start, n, _, _) in zip(prefills, meta.prefills)
+            if s.num_cached + n == s.length]
+    first_decode = sum(n for _, n, _, _ in meta.prefills)  # decode tokens follow the prefill chunks
+    rows = [r for _, r in done] + list(range(first_decode, first_decode + len(decodes)))
+    return [s for s, _ in done] + decodes, torch.tensor(rows, dtype=torch.int64, device=dev)
+
+
 def build_gating_batch(seqs: list[Sequence], pos: torch.Tensor, meta: AttentionMetadata, *, slot_of: dict[str, int],
                        free_slots: list[int], running: list[Sequence], default: str, dev: torch.device) -> GatingBatch:
     """Token -> gating slot (and per-request policy) for this step; tokens are laid out as in `build_metadata`.
 
     A sequence without a slot takes one from `free_slots` into `slot_of` (both updated in place); when none is
     free, the slots of requests neither in `running` nor in this step go back first (preempted sequences restart
-    at position 0: their slots are stale). `default`: the deployment's gating policy."""
+    at position 0: their slots are stale). A sequence keeps its slot across its prefill chunks (it stays in
+    `running`), so per-sequence gating state (`sticky`, `velocity`) carries from one chunk to the next exactly
+    as from one token to the next. `default`: the deployment's gating policy."""
     counts = [n for _, n, _, _ in meta.prefills] + [1] * (len(seqs) - len(meta.prefills))
     slots, pols = [], []
     for seq in seqs:

@@ -147,3 +147,25 @@ class OutputChannel:
         """Queue outputs for the next `tick` (a failed rank's error outputs, sent after the `failed` frame)."""
         with self._out_lock:
             self._outbox.extend(outs)
+
+
+def recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
+    """n bytes from `conn`; `on_timeout()` runs on each socket timeout (it raises to give up). Raises
+    ConnectionError if the peer closes first."""
+    buf = bytearray()
+    while len(buf) < n:
+        try:
+            chunk = conn.recv(n - len(buf))
+        except TimeoutError:
+            on_timeout()
+            continue
+        if not chunk:
+            raise ConnectionError("output channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(conn: socket.socket, on_timeout) -> bytes:
+    """The router's side: one frame's payload (b"" for a heartbeat); `on_timeout` as in `recv_exact`."""
+    n = struct.unpack(">I", recv_exact(conn, 4, on_timeout))[0]
+    return recv_exact(conn, n, on_timeout) if n else b""

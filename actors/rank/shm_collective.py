@@ -14,7 +14,8 @@ batches) stays on torch.distributed (gloo), as does everything else. All ranks r
 collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()` depends
 only on the agreed size.
 
-Protocol (one segment per EP group). A header of W int64 counters (one 64-byte line each), then two banks
+Protocol (one segment per EP group). A header of W int64 counters (one 64-byte line each, holding the
+counter at byte 0 and its int32 sleeper count at byte 8), then two banks
 (call parity) of W x W slots of `slot_bytes`. Call number k of rank r: copy the chunk for rank d into
 slot[k % 2][r][d], publish counter[r] = k + 1, then for every peer s wait until counter[s] >= k + 1 and copy
 slot[k % 2][s][r] out. Two banks are enough: a rank can start call k + 2 (overwriting bank k % 2) only after
@@ -22,11 +23,20 @@ every peer has published k + 1, which each does only after it finished reading c
 follows the data stores in program order, which x86-64 (TSO) keeps visible in that order; the module is
 therefore only enabled on x86-64.
 
-Waiting. A waiting rank polls with `sched_yield` (the other processes sharing its core run first), and after
-`SPIN_S` it sleeps between polls (50 us growing to `MAX_SLEEP_S`), so a long wait does not burn a core. While waiting
-it checks that the peers' processes still exist, so a dead peer surfaces as an error at once (as a closed
-gloo socket does) rather than at the timeout. An idle cluster never waits here: the lockstep loop only enters
-collectives when some rank has work.
+Waiting (kernels/csrc/shm_a2a.c, when the compiled kernels run). The copies, the publish and the wait are
+two C calls per collective (`moeray_shm_a2a_send`, `_recv`; ctypes releases the GIL). A waiting rank spins
+(`pause`) for `SPIN_S` (tens of us: the peer of a balanced step usually arrives within it), then sleeps in
+futex(2) FUTEX_WAIT on the low 32 bits of the peer's counter, after announcing itself in that counter line's
+sleeper count; a publisher makes the FUTEX_WAKE system call only when the count is nonzero, so the fast path
+makes none. Store then fence then load on both sides (seq_cst atomics: x86-64 `xchg` / `lock xadd`) means
+either the publisher sees the sleeper or the sleeper sees the new counter: no wake-up is lost. On an
+oversubscribed machine a sleeping rank thus leaves its core to the peer and the front door, and still answers
+within a wake-up latency instead of a poll interval. The futex wait returns every `LIVENESS_S`, so the rank
+checks that the peers' processes still exist (a dead peer surfaces as an error at once, as a closed gloo socket
+does, rather than at the timeout) and the timeout. Without the compiled kernels the rank polls in Python
+instead: `sched_yield` for `POLL_SPIN_S`, then sleeps between polls (50 us growing to `MAX_SLEEP_S`), with the
+same liveness checks. An idle cluster never waits here: the lockstep loop only enters collectives when some
+rank has work.
 
 Lifetime. Rank 0 creates the segment and publishes its name through the process group's TCPStore; once all
 ranks have attached, rank 0 unlinks the name, so the memory goes away with the last process even after a
@@ -43,10 +53,13 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 import torch
 
-# poll with sched_yield this long, then sleep between polls. Within a decode step a rank waits for its peers'
-# attention and experts (a few ms on CPU); a sleeping rank answers up to one sleep late, and on the 2-core
-# machine 2 ms here with 1 ms sleeps cost ~25% of the 2-rank step, so the spin covers a whole step
-SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.002"))
+from kernels.cpu.shm import shm_a2a_entry_points
+
+# spin this long before sleeping on the futex: within a decode step a peer that is not far behind arrives within
+# tens of us, and longer spins take the core from the peer rank and the front door on the 2-core machine
+SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.00003"))
+# the Python polling path (no compiled kernels): sched_yield this long, then sleep between polls
+POLL_SPIN_S = float(os.environ.get("MOERAY_SHM_POLL_SPIN_S", "0.002"))
 MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
 LIVENESS_S = 0.02  # while waiting, check the peer's process (and the timeout) this often
 LINE = 64  # bytes per header counter (one cache line each: no false sharing between ranks' counters)
@@ -121,6 +134,10 @@ class ShmAllToAll:
             self._counters[:] = 0
         self._data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=world * LINE,
                                       count=2 * world * world * slot_bytes)
+        self._base = self._counters.ctypes.data  # the segment's address, for the C calls
+        # (send, recv) in C, or None: Python copies and polling
+        self._c = shm_a2a_entry_points() if platform.machine().lower() in ("x86_64", "amd64") else None
+        self._spin_ns, self._slice_ns = int(SPIN_S * 1e9), int(LIVENESS_S * 1e9)
         self._calls = 0
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
@@ -176,15 +193,42 @@ class ShmAllToAll:
         Raises:
             ValueError: bad shapes. RuntimeError: a peer timed out or exited.
         """
-        W, r = self.world, self.rank
+        W = self.world
         if inp.shape != out.shape or inp.dtype != out.dtype or inp.shape[0] % W or not (
-                inp.is_contiguous() and out.is_contiguous()):
-            raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype}, out {tuple(out.shape)} "
-                             f"{out.dtype}: need equal contiguous shapes with dim 0 divisible by {W}")
-        src_b, dst_b = inp.view(-1).view(torch.uint8).view(W, -1), out.view(-1).view(torch.uint8).view(W, -1)
-        nb = src_b.shape[1]
+                inp.is_contiguous() and out.is_contiguous()) or inp.device.type != "cpu" or out.device.type != "cpu":
+            raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype} {inp.device}, out "
+                             f"{tuple(out.shape)} {out.dtype} {out.device}: need equal contiguous shapes on CPU, "
+                             f"dim 0 divisible by {W}")
+        nb = inp.nbytes // W
         if not self.fits(nb):
             raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds slot_bytes={self.slot_bytes}")
+        if self._c is not None:
+            self._c_call(out, inp, nb)
+        else:
+            self._py_call(out, inp, nb)
+        self._calls += 1
+        self.calls += 1
+
+    def _c_call(self, out: torch.Tensor, inp: torch.Tensor, nb: int) -> None:
+        send, recv = self._c
+        args = (self._base, LINE, self.world, self.rank, self.slot_bytes, self._calls)
+        send(*args, inp.data_ptr(), out.data_ptr(), nb)
+        t0 = time.perf_counter()
+        s = recv(*args, out.data_ptr(), nb, self._spin_ns, self._slice_ns)
+        while s >= 0:  # a peer did not arrive within LIVENESS_S: is it alive, are we past the timeout?
+            self._check(s, time.perf_counter() - t0)
+            s = recv(*args, out.data_ptr(), nb, self._spin_ns, self._slice_ns)
+        self.wait_s += time.perf_counter() - t0
+
+    def _check(self, s: int, waited: float) -> None:
+        if waited > self.timeout_s:
+            raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
+        if not _alive(self.peer_pids[s]):
+            raise RuntimeError(f"shared-memory all_to_all: rank {s} (pid {self.peer_pids[s]}) exited")
+
+    def _py_call(self, out: torch.Tensor, inp: torch.Tensor, nb: int) -> None:
+        W, r = self.world, self.rank
+        src_b, dst_b = inp.view(-1).view(torch.uint8).view(W, -1), out.view(-1).view(torch.uint8).view(W, -1)
         bank, target = self._calls & 1, self._calls + 1
         for d in range(W):
             if d != r:
@@ -196,8 +240,6 @@ class ShmAllToAll:
                 if self._counters[s] < target:
                     self._wait(s, target)
                 dst_b[s].copy_(self._slot(bank, s, r, nb))
-        self._calls = target
-        self.calls += 1
 
     def _wait(self, s: int, target: int) -> None:
         t0 = time.perf_counter()
@@ -212,20 +254,17 @@ class ShmAllToAll:
             polls += 1
             if polls % 64 == 0:
                 waited = time.perf_counter() - t0
-                if waited > SPIN_S and not sleep:
+                if waited > POLL_SPIN_S and not sleep:
                     sleep = 5e-5
                 if waited > next_check:  # reading /proc costs ~20-50 us: not on every poll
                     next_check = waited + LIVENESS_S
-                    if waited > self.timeout_s:
-                        raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
-                    if not _alive(self.peer_pids[s]):
-                        raise RuntimeError(f"shared-memory all_to_all: rank {s} (pid {self.peer_pids[s]}) exited")
+                    self._check(s, waited)
         self.wait_s += time.perf_counter() - t0
 
     def close(self) -> None:
         """Detach from the segment (the name is already unlinked after `setup`); `fits` is False from then on."""
         self.closed = True
-        self._data = self._counters = None
+        self._data = self._counters = self._c = None
         try:
             self.shm.close()
         except BufferError:  # a tensor view still alive: the OS reclaims the mapping at exit

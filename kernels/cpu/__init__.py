@@ -2,7 +2,8 @@
 
 Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `attention` (paged decode attention), `experts`
 (SwiGLU experts with bf16 or fp32 weights), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
-`dispatch` (the fixed-capacity dispatch's send buffer), `predict` (the expert predictor's decode-step bookkeeping),
+`dispatch` (the fixed-capacity dispatch's send buffer), `shm` (the shared-memory all-to-all's copies and futex
+wait), `predict` (the expert predictor's decode-step bookkeeping),
 `_build` (compile, cache and load; holds the library), `_abi` (the C entry points' ctypes argument structs).
 
 Why. Decode at batch 1 on CPU is bound by two things: reading every weight once per token, and the per-op

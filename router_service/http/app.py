@@ -120,7 +120,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(req: CompletionRequest, request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(srv.completion_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.completion_jobs(req, rid))
         for s in streams:
             m.prompt_tokens.inc(s.out.prompt_tokens)
         return await _respond(req, streams, rid, "text_completion", request.url.path)
@@ -128,7 +128,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(srv.chat_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.chat_jobs(req, rid))
         for s in streams:
             m.prompt_tokens.inc(s.out.prompt_tokens)
         return await _respond(req, streams, rid, "chat.completion", request.url.path)
@@ -161,6 +161,30 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
         def event(d: dict) -> str:
             return f"data: {json.dumps(d, ensure_ascii=False)}\n\n"
 
+        # per choice, the chunk event around its text and finish reason, rendered once: a token's event is then
+        # two json.dumps of scalars and a join (the same bytes as `event` of the whole chunk dict)
+        def template(i: int, delta: bool) -> tuple[str, str, str]:
+            mark_t, mark_f = "\x00text\x00", "\x00finish\x00"
+            body = {"delta": {"content": mark_t}} if delta else {"text": mark_t}
+            full = event({**base, "object": chunk_obj, "choices": [
+                {"index": i, **body, "logprobs": None, "finish_reason": mark_f}]})
+            head, rest = full.split(json.dumps(mark_t), 1)
+            mid, tail = rest.split(json.dumps(mark_f), 1)
+            return head, mid, tail
+
+        templates = [template(i, chat) for i in range(len(streams))]
+        empty_delta = [event({**base, "object": chunk_obj, "choices": [
+            {"index": i, "delta": {}, "logprobs": None, "finish_reason": "\x00finish\x00"}]}).split(
+            json.dumps("\x00finish\x00"), 1) for i in range(len(streams))] if chat else []
+
+        def token_event(i: int, text: str, finish: str | None) -> str:
+            fin = "null" if finish is None else json.dumps(finish)
+            if chat and not text:
+                head, tail = empty_delta[i]
+                return head + fin + tail
+            head, mid, tail = templates[i]
+            return head + json.dumps(text, ensure_ascii=False) + mid + fin + tail
+
         async def sse():
             if chat:
                 for i in range(len(streams)):
@@ -177,12 +201,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                     completion[i] += len(o.token_ids)
                     if not o.text and o.finish_reason is None:
                         continue  # text held back (partial character or possible stop string)
-                    if chat:
-                        delta = {"content": o.text} if o.text else {}
-                        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": o.finish_reason}
-                    else:
-                        choice = {"index": i, "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-                    yield event({**base, "object": chunk_obj, "choices": [choice]})
+                    yield token_event(i, o.text, o.finish_reason)
             if not failed and req.include_usage:
                 yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion, req.n)})
             yield "data: [DONE]\n\n"

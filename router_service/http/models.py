@@ -199,9 +199,13 @@ class ServeAppArgs(BaseModel):
     num_gpus_per_rank / num_cpus_per_rank: the rank bundle of the placement group (None: $MOERAY_NUM_GPUS_PER_RANK
         / $MOERAY_NUM_CPUS_PER_RANK, else 1 GPU per rank when the Ray cluster has GPUs, else 0 GPU and 0.5 CPU).
         Pods set these through the environment, so one config serves a laptop and a GPU cluster.
-    max_queue: requests in flight per replica before HTTP 503 / RESOURCE_EXHAUSTED.
+    max_queue: requests in flight (running + queued) per replica before HTTP 503 / RESOURCE_EXHAUSTED (None:
+        `router_service.router.default_max_queue`, 4096 at max_model_len 1024).
     api_key: required bearer key (None: $MOERAY_API_KEY; unset or empty: no key).
     grpc_port: if set, the replica also serves gRPC on grpc_host:grpc_port (127.0.0.1 unless told otherwise).
+    http_port: if set, the replica serves the HTTP app itself on http_host:http_port (`router_service.serve.
+        listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
+        answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -212,8 +216,10 @@ class ServeAppArgs(BaseModel):
     ranks: int = Field(2, ge=1)
     num_gpus_per_rank: float | None = Field(None, ge=0)
     num_cpus_per_rank: float | None = Field(None, gt=0)
-    max_queue: int = Field(256, ge=1)
+    max_queue: int | None = Field(None, ge=1)
     api_key: str | None = None
     grpc_port: int | None = Field(None, ge=0, le=65535)
     grpc_host: str = "127.0.0.1"
+    http_port: int | None = Field(None, ge=0, le=65535)
+    http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

@@ -15,7 +15,6 @@ chat special tokens).
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from typing import AsyncIterator
 
@@ -28,7 +27,7 @@ from router_service.grpc.rpc import served_model_name
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router_service.metrics import Metrics
 from router_service.router import Router
-from router_service.stream import RequestStream
+from router_service.stream import LoopMailbox, RequestStream
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -75,11 +74,13 @@ class OpenAIServer:
             raise
         return streams
 
-    async def submit(self, jobs: list[tuple]) -> list[RequestStream]:
-        """Submit off the event loop (the router makes a blocking call to the rank). Maps router errors
-        to `_Reject` with the HTTP response."""
+    async def submit(self, make_jobs) -> list[RequestStream]:
+        """Build the jobs (`make_jobs()`: templating and tokenizing, which hold the GIL) and submit them, off the
+        event loop (the router also makes a blocking call to the rank), so the loop keeps streaming other
+        requests' tokens. Maps router errors to `_Reject` with the HTTP response."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._submit_all, jobs)
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self._submit_all(make_jobs()))
         except InvalidRequestError as e:
             raise _Reject(error_response(400, str(e), e.field), "invalid") from e
         except OverloadedError as e:
@@ -88,7 +89,7 @@ class OpenAIServer:
             raise _Reject(error_response(503, str(e), None, "engine_unavailable", {"Retry-After": "1"}), "unavailable") from e
 
     def prompt_len(self, prompt: str | list[int]) -> int:
-        return len(prompt) if isinstance(prompt, list) else len(self.router.tokenizer.encode(prompt).ids)
+        return len(prompt) if isinstance(prompt, list) else len(self.router.encode(prompt))
 
     def completion_jobs(self, req: CompletionRequest, rid: str) -> list[tuple]:
         self._check_model(req)
@@ -103,7 +104,7 @@ class OpenAIServer:
         self._check_model(req)
         text = self.chat_template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                                           for m in req.messages])
-        ids = self.router.tokenizer.encode(text).ids
+        ids = self.router.encode(text, "messages")
         L = self.router.cfg.max_model_len
         if req.max_tokens is not None:
             max_tokens = req.max_tokens
@@ -115,21 +116,13 @@ class OpenAIServer:
 
     # -------------------------------------------------------------- streaming
     async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenOutput]]:
-        """(choice index, output) of all streams as they arrive. One pump thread per stream hands outputs
-        to the event loop, so no executor slot is held per stream. On exit (also cancellation: the client
-        went away) every unfinished request is aborted on its rank."""
-        loop = asyncio.get_running_loop()
+        """(choice index, output) of all streams as they arrive. The streams are attached to this loop's
+        `LoopMailbox`: the router posts a whole rank frame per loop wake-up, no thread per stream. On exit (also
+        cancellation: the client went away) every unfinished request is aborted on its rank."""
+        mailbox = LoopMailbox.of(asyncio.get_running_loop())
         aq: asyncio.Queue = asyncio.Queue()
-
-        def pump(i: int, s: RequestStream) -> None:
-            for o in s:
-                try:
-                    loop.call_soon_threadsafe(aq.put_nowait, (i, o))
-                except RuntimeError:  # the loop is gone; the request was aborted by the finally below
-                    return
-
         for i, s in enumerate(streams):
-            threading.Thread(target=pump, args=(i, s), daemon=True, name=f"sse-{s.request_id}").start()
+            s.attach(mailbox, aq, i)
         left = len(streams)
         timer = self.metrics.observer([s.t0 for s in streams])  # TTFT, inter-token and end-to-end latency
         try:

@@ -106,6 +106,8 @@ if serve is not None:
           send metadata `application: <app name>` (optional while Serve runs one application). With several
           replicas the proxy may route `Cancel` to a replica that does not hold the request (`found=false`);
           cancelling the Generate call itself always reaches the right one;
+        - optionally the replica's own HTTP listener (`args.http_port`, `router_service.serve.listener`): the same
+          app without the proxy hop per SSE event; `moeray serve` serves HTTP this way;
         - optionally the replica's own gRPC server (`args.grpc_port`), kept for `moeray serve`: Serve 2.60's
           gRPC proxy binds every interface (`[::]`, no host option), the replica's server binds `grpc_host`
           (127.0.0.1 by default). One port per replica, so use it with a single replica.
@@ -137,6 +139,11 @@ if serve is not None:
 
                 self.grpc = start_grpc_server(self.router, self.args.grpc_host, self.args.grpc_port, self.api_key,
                                               self.args.served_model_name, metrics=self.http.metrics)
+            self.listener = None
+            if self.args.http_port is not None:  # HTTP straight from this replica (no proxy hop per event)
+                from router_service.serve.listener import HTTPListener
+
+                self.listener = HTTPListener(self.http_app, self.args.http_host, self.args.http_port).start()
             log.info("MoerayServer up: %s, %d ranks", cfg.model, cfg.ranks)
 
         def __serve_build_asgi_app__(self):
@@ -206,6 +213,8 @@ if serve is not None:
             return await asyncio.get_running_loop().run_in_executor(None, self._signals.collect, self.router)
 
         def __del__(self):
+            if getattr(self, "listener", None) is not None:
+                self.listener.stop()
             if getattr(self, "grpc", None) is not None:
                 self.grpc.stop(0)
             if getattr(self, "router", None) is not None:

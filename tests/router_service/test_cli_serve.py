@@ -14,6 +14,7 @@ from moeray.cli import main
     (["--gating-option", "sticky_margin"], "KEY=VALUE"),
     (["--gating-option", "bogus=1"], "unknown gating option(s) ['bogus']"),
     (["--gating", "sticky", "--gating-option", "sticky_margin=-1"], "sticky_margin=-1"),
+    (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens=8 must be >= --max-num-seqs=64"),
 ])
 def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv, msg):
     model = ["--model", tiny_model_dir("qwen2_moe")] if "--model" not in argv else []
@@ -43,16 +44,20 @@ def test_engine_flags_reach_the_cluster_options():
     add_parser(sub)
     a = sub.choices["serve"].parse_args(["--kv-bits", "3", "--kv-extra-bits", "2", "4", "--kv-profile", "auto",
                                          "--gating", "sticky", "--gating-option", "sticky_margin=0.1",
-                                         "--max-model-len", "512", "--weight-storage", "compute"])
+                                         "--max-model-len", "512", "--weight-storage", "compute",
+                                         "--max-num-batched-tokens", "128", "--no-enable-chunked-prefill"])
     kw = engine_kwargs(a)
-    assert kw["max_model_len"] == 512
+    assert kw["max_model_len"] == 512 and kw["max_batched_tokens"] == 128
     opts = kw["engine_options"]
     assert opts["kv_bits"] == 3 and opts["kv_extra_bits"] == [2, 4] and opts["kv_profile"] == "auto"
     assert opts["gating"] == "sticky" and opts["gating_options"] == {"sticky_margin": 0.1}
-    assert opts["weight_storage"] == "compute"
+    assert opts["weight_storage"] == "compute" and opts["enable_chunked_prefill"] is False
     from cluster.config import ClusterConfig
 
-    ClusterConfig(**kw).engine_config()  # accepted as is
+    from actors.engine.config import EngineConfig
+
+    ec = EngineConfig(**ClusterConfig(**kw).engine_config())  # accepted as is, as a rank takes it
+    assert ec.max_batched_tokens == 128 and ec.enable_chunked_prefill is False
 
 
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])

@@ -260,3 +260,18 @@ def test_server_reflection_describes_the_service(server):
         assert set(methods) == {"Generate", "Cancel", "Health", "ListModels", "GetClusterStats"}
         gen_m = methods["Generate"]
         assert gen_m.input_type.full_name == "moeray.v1.GenerateRequest" and gen_m.server_streaming
+
+
+def test_64_concurrent_generate_streams_arrive_in_order(stub, llm):
+    """64 Generate streams at once (beyond max_num_seqs: queued on the ranks, not refused): each stream's token
+    ids, in arrival order, equal the greedy reference of its prompt."""
+    import concurrent.futures as cf
+
+    prompts = [f"{PROMPT} {i}" for i in range(64)]
+    ref = llm.generate(prompts, llm_params(max_tokens=12))
+    with cf.ThreadPoolExecutor(64) as ex:
+        outs = list(ex.map(lambda p: gen(stub, text=p, timeout=180, max_tokens=12, temperature=0.0,
+                                         ignore_eos=True), prompts))
+    for out, r in zip(outs, ref):
+        assert [t for m in out for t in m.token_ids] == r.token_ids
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH

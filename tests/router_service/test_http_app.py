@@ -337,3 +337,64 @@ def test_client_disconnect_mid_stream_frees_kv(llm):
     finally:
         server.should_exit = True
         th.join(timeout=10)
+
+
+def test_huge_prompt_refused_untokenized_while_others_stream(client, llm):
+    """A 4 MiB prompt is refused by its length alone (tokenizing it would hold the GIL for seconds): 400 naming
+    `prompt` and the character limit, and a stream running beside it completes."""
+    import concurrent.futures as cf
+
+    limit = llm.router.max_prompt_chars
+    assert limit < 4 << 20
+    with cf.ThreadPoolExecutor(1) as ex:
+        running = ex.submit(lambda: complete(client, max_tokens=24, stream=True))
+        r = client.post("/v1/completions", json={"prompt": "x" * (4 << 20), "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and f"{limit} characters" in err["message"]
+        other = running.result(timeout=120)
+    assert other.status_code == 200
+    assert sse_events(other)[-1] == "[DONE]"
+
+
+def test_64_concurrent_streams_through_the_replica_listener_arrive_in_order(llm):
+    """64 streams at once through `HTTPListener` (the replica's own uvicorn): more than max_num_seqs (16), so
+    most wait in the rank's queue instead of being refused; each stream's text, token by token in arrival
+    order, equals the non-streamed greedy completion of its prompt."""
+    import asyncio
+
+    import aiohttp
+
+    from router_service.serve.listener import HTTPListener
+
+    from actors.engine.sampling import SamplingParams
+
+    prompts = [f"{PROMPT} {i}" for i in range(64)]
+    ref = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    listener = HTTPListener(create_app(llm.router), "127.0.0.1", 0).start()
+
+    async def one(sess, p):
+        body = {"prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": True}
+        text, finishes = "", []
+        async with sess.post(f"http://127.0.0.1:{listener.port}/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    ch = json.loads(line[6:])["choices"][0]
+                    text += ch["text"]
+                    finishes.append(ch["finish_reason"])
+        return text, finishes
+
+    async def main():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as sess:
+            return await asyncio.gather(*[one(sess, p) for p in prompts])
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        listener.stop()
+    for (text, finishes), r in zip(got, ref):
+        assert text == r.text
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+    s = wait_idle(llm.router)
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]

@@ -122,6 +122,7 @@ def test_llm_generate_unknown_profile_is_an_error_output(llm):
 def test_full_precision_router_refuses_a_named_profile(llm):
     # Router.validate against a full-precision deployment of the same model (no second cluster needed)
     fp = SimpleNamespace(tokenizer=llm.router.tokenizer, vocab_size=llm.router.vocab_size,
+                         encode=lambda text, field="prompt": llm.router.tokenizer.encode(text).ids,
                          cfg=SimpleNamespace(model=DEFAULT_MODEL, max_model_len=256, engine_options={}))
     assert Router.validate(fp, PROSE, greedy(kv_profile="auto"))
     with pytest.raises(InvalidRequestError, match="needs a quantized KV cache") as ei:

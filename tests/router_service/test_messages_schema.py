@@ -29,3 +29,15 @@ def test_wrong_version_rejected(version):
 def test_wrong_type_rejected():
     with pytest.raises(ValueError, match="expected a 'generate' message"):
         GenerateRequest.decode(encode_outputs([]))
+
+
+def test_outputs_frame_rows_keep_every_field():
+    outs = [TokenOutput(request_id="a", token_ids=[1, 2], text="xy", prompt_tokens=5),
+            TokenOutput(request_id="b", finish_reason="error", error="boom", num_preemptions=2)]
+    assert decode_outputs(encode_outputs(outs)) == outs
+
+
+def test_outputs_row_of_wrong_width_rejected():
+    bad = msgpack.packb({"v": SCHEMA_VERSION, "type": "outputs", "items": [["r1", [1], ""]]}, use_bin_type=True)
+    with pytest.raises(ValueError, match="outputs row must have 7 fields"):
+        decode_outputs(bad)

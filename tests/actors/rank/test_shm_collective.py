@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,12 +13,16 @@ import torch.multiprocessing as mp
 
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
+from kernels.cpu import cpu_kernels_available
 
 
-def _equal_worker(rank, world, port, q):
+def _equal_worker(rank, world, port, q, path="c"):
     store = join_store("127.0.0.1", port, world, 60.0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     shm = ShmAllToAll.setup(store, rank, world, timeout_s=30.0, slot_bytes=4096)
+    assert (shm._c is not None) == cpu_kernels_available()  # the C copies and futex wait whenever they build
+    if path == "python":
+        shm._c = None  # the polling fallback (no compiled kernels)
     g = torch.Generator().manual_seed(rank)
     mismatches = 0
     for i in range(200):  # many calls in a row: both banks, reuse, sizes changing every call
@@ -37,17 +42,53 @@ def _equal_worker(rank, world, port, q):
     dist.destroy_process_group()
 
 
-def test_equals_gloo_all_to_all_over_many_calls():
+@pytest.mark.parametrize("path", ["c", "python"])
+def test_equals_gloo_all_to_all_over_many_calls(path):
     ctx = mp.get_context("spawn")
     store = host_store(3)  # held until the workers are done
     q, port = ctx.Queue(), store.port
-    procs = [ctx.Process(target=_equal_worker, args=(r, 3, port, q)) for r in range(3)]
+    procs = [ctx.Process(target=_equal_worker, args=(r, 3, port, q, path)) for r in range(3)]
     for p in procs:
         p.start()
     res = sorted(q.get(timeout=120) for _ in range(3))
     for p in procs:
         p.join(timeout=60)
     assert res == [(0, 0, 200), (1, 0, 200), (2, 0, 200)]
+
+
+def _late_worker(rank, port, q):
+    store = join_store("127.0.0.1", port, 2, 60.0)
+    shm = ShmAllToAll.setup(store, rank, 2, timeout_s=30.0)
+    got = []
+    for i in range(4):
+        if rank == 1:
+            time.sleep(0.1)  # far past the spin: rank 0 sleeps in FUTEX_WAIT and is woken by the publish
+        x = torch.arange(4.0) + 10 * rank + 100 * i
+        out = torch.empty_like(x)
+        shm.all_to_all_single(out, x)
+        got.append(out.tolist())
+    # sleepers[peer]: only this rank sleeps on its one peer's counter, so its count is this rank's alone
+    sleepers = int(shm._counters.base.view(np.int32).reshape(2, -1)[1 - rank, 2])
+    q.put((rank, got, sleepers))
+    shm.close()
+
+
+def test_a_late_peer_wakes_the_sleeping_rank_with_the_right_values():
+    """The futex path: rank 0 sleeps on rank 1's counter each call; it is woken with rank 1's data, and every
+    sleeper count it raised (int32 at byte 8 of the peer's counter line) is back to 0 afterwards."""
+    ctx = mp.get_context("spawn")
+    store = host_store(2)
+    q, port = ctx.Queue(), store.port
+    procs = [ctx.Process(target=_late_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+    for i in range(4):
+        assert res[0][1][i] == [0.0 + 100 * i, 1.0 + 100 * i, 10.0 + 100 * i, 11.0 + 100 * i]
+        assert res[1][1][i] == [2.0 + 100 * i, 3.0 + 100 * i, 12.0 + 100 * i, 13.0 + 100 * i]
+    assert res[0][2] == 0 and res[1][2] == 0
 
 
 def _dying_worker(rank, port, q, mode):
