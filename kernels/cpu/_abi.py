@@ -89,6 +89,7 @@ SIGNATURES = {
     "moeray_linear_bf16w": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], _L),
     "moeray_linear_panels": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], None),
     "moeray_rms_norm": (_ptr(RmsNormArgs), None),
+    "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
