@@ -169,6 +169,17 @@ static int decode_attention(const float *q, const float *kc, const float *vc, co
         const long *tb = bt + b * mb;
         for (long t0 = 0, blk = 0; t0 < n; t0 += S, blk++)  /* offset of token t's slot (KV head 0), in floats */
             for (long o = 0; o < S && t0 + o < n; o++) row[t0 + o] = (tb[blk] * S + o) * Hkv * Dh;
+        if (b + 1 < B) {  /* the next sequence's K and V (scattered blocks, cold since the last step) into L2 */
+            const long n1 = ctx[b + 1], *tb1 = bt + (b + 1) * mb, blk_floats = S * Hkv * Dh;
+            for (long t0 = 0, blk = 0; t0 < n1; t0 += S, blk++) {
+                const long len = (n1 - t0 < S ? n1 - t0 : S) * Hkv * Dh;
+                const float *kb = kc + tb1[blk] * blk_floats, *vb = vc + tb1[blk] * blk_floats;
+                for (long f = 0; f < len; f += 16) {
+                    _mm_prefetch((const char *)(kb + f), _MM_HINT_T1);
+                    _mm_prefetch((const char *)(vb + f), _MM_HINT_T1);
+                }
+            }
+        }
         if (moeray_isa_level >= 2 && n > 0) {
             for (long h = 0; h < H;) {  /* heads of one KV head two at a time */
                 const long g = h / rep, nh = (h + 1 < H && (h + 1) / rep == g) ? 2 : 1;
