@@ -7,10 +7,13 @@ All rows are measured in one run on the same checkpoint with the same per-proces
     python bench/decode.py --quick    # under 3 minutes
 
 TPOT (ms per output token) at batch 1 = median over runs of (t_last - t_first) / (n - 1) with n = 128
-forced tokens (EOS ignored). Throughput = output tokens / wall seconds with 8 and 32 concurrent
-sequences. The 2-rank breakdown splits rank time into all-to-all, step agreement (all_reduce),
-compute (forward minus all-to-all) and scheduling + sampling, per decode step.
-Last line: RESULT moeray_1rank=<ms> moeray_2ranks=<ms> transformers=<ms>
+forced tokens (EOS ignored). Throughput = output tokens / wall seconds with 8 and 32 (full run: also 64)
+concurrent sequences, prompt and start-up included; "x@32" = tok/s at 32 over tok/s at 1 (= 1000 / TPOT), how
+throughput grows with batch (conservative: the batch-1 figure excludes the prefill the tok/s figures include).
+The 2-rank breakdown splits rank time into all-to-all, step agreement (all_reduce), compute (forward minus
+all-to-all) and scheduling + sampling, per decode step.
+Last line: RESULT moeray_1rank=<ms> moeray_2ranks=<ms> transformers=<ms> moeray_1rank_tps32=<tok/s>
+moeray_1rank_x32=<ratio> moeray_2ranks_tps32=<tok/s> moeray_2ranks_x32=<ratio> transformers_x32=<ratio>
 """
 from __future__ import annotations
 
@@ -110,7 +113,7 @@ def main():
     torch.set_num_threads(1)
     runs = 2 if args.quick else 5
     n = args.tokens
-    conc = [8] if args.quick else [8, 32]
+    conc = [8, 32] if args.quick else [8, 32, 64]
     n_tp = 32 if args.quick else 64
 
     import ray
@@ -152,19 +155,24 @@ def main():
     names = ["transformers", "moeray 1 rank", "moeray 2 ranks"]
     print(f"\nmodel: {args.model}; {n} forced tokens, {runs} runs, 1 torch thread per process; tok/s columns: "
           f"{n_tp} tokens per sequence{' (--quick: half the full run, so the per-request start-up weighs twice as much)' if args.quick else ''}")
-    hdr = "| engine | TPOT batch 1 (ms) | ratio vs transformers | " + " | ".join(f"tok/s @{c}" for c in conc) + " |"
+    def x32(nm):  # tok/s at 32 sequences over tok/s at 1 (1000 / TPOT)
+        return res[(nm, 32)] * res[(nm, "tpot")] / 1000
+
+    hdr = "| engine | TPOT batch 1 (ms) | ratio vs transformers | " + " | ".join(f"tok/s @{c}" for c in conc) + " | x@32 |"
     print(hdr)
-    print("|" + "---|" * (3 + len(conc)))
+    print("|" + "---|" * (4 + len(conc)))
     for nm in names:
         print(f"| {nm} | {res[(nm, 'tpot')]:.2f} | {res[(nm, 'tpot')] / res[('transformers', 'tpot')]:.3f} | "
-              + " | ".join(f"{res[(nm, c)]:.1f}" for c in conc) + " |")
+              + " | ".join(f"{res[(nm, c)]:.1f}" for c in conc) + f" | {x32(nm):.2f} |")
     print("\n2-rank decode step breakdown (ms per step, batch-1 runs)")
     print("| rank | steps | all-to-all | step agreement | compute | schedule+sample |")
     print("|---|---|---|---|---|---|")
     for r in bd:
         print(f"| {r[0]} | {r[1]} | {r[2]:.2f} | {r[3]:.2f} | {r[4]:.2f} | {r[5]:.2f} |")
     print(f"RESULT moeray_1rank={res[('moeray 1 rank', 'tpot')]:.3f} moeray_2ranks={res[('moeray 2 ranks', 'tpot')]:.3f} "
-          f"transformers={res[('transformers', 'tpot')]:.3f}")
+          f"transformers={res[('transformers', 'tpot')]:.3f} moeray_1rank_tps32={res[('moeray 1 rank', 32)]:.1f} "
+          f"moeray_1rank_x32={x32('moeray 1 rank'):.2f} moeray_2ranks_tps32={res[('moeray 2 ranks', 32)]:.1f} "
+          f"moeray_2ranks_x32={x32('moeray 2 ranks'):.2f} transformers_x32={x32('transformers'):.2f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ wall time mostly measures the neighbours); `--clock wall` uses `time.perf_counte
 
     python bench/decode_step.py                      # batches 1 8 32 64, this checkout
     python bench/decode_step.py --batches 32 --steps 64 --no-regions
+    python bench/decode_step.py --root /path/to/old/checkout    # profile another checkout's code
     python bench/decode_step.py --compare /work/main --rounds 3
         # old (the checkout at /work/main) vs new (this one), interleaved: each round runs one subprocess per
         # checkout, alternately; prints per-round and median ms/step and tok/s@B / tok/s@1 of both.
@@ -181,6 +182,7 @@ def main():
     ap.add_argument("--no-regions", action="store_true")
     ap.add_argument("--compare", metavar="OLD_ROOT", help="checkout to compare against (interleaved subprocesses)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--root", default=HERE, help="checkout whose code runs (default: this one)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.model = os.path.abspath(args.model)
@@ -210,7 +212,7 @@ def main():
                 keys.append(f"{prefix}tps32_over_tps1={m[1] * 32 / m[32]:.2f}")
         print("RESULT " + " ".join(keys))
         return
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.abspath(args.root))
     res = [measure(args.model, b, args.steps, not args.no_regions) for b in args.batches]
     for r in res:
         if "regions" in r:

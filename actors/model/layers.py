@@ -7,10 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import linear, rms_norm  # noqa: F401 - rms_norm is part of this module's API
+from kernels.cpu import linear, rms_norm, rope  # noqa: F401 - rms_norm is part of this module's API
 from kernels.rope import rope_tables
-
-
 
 
 class Rotary:
@@ -19,7 +17,8 @@ class Rotary:
     Caches cos/sin tables [max_pos, Dh] in the compute dtype; `apply(x [T, H, Dh], positions [T])`.
     rotate_half(x) * sin is computed as roll(x, Dh/2) * [-sin_a, sin_b] (the sign folded into the table),
     and the last positions tensor's rows are reused, so the q and k of every layer in one step gather the
-    tables once (decode is bound by per-op overhead).
+    tables once (decode is bound by per-op overhead). fp32 on CPU with the compiled kernels: one call
+    (`kernels.cpu.rope`) that reads the tables at each position, no gather.
     """
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype, device=None):
@@ -41,6 +40,13 @@ class Rotary:
         return cos, sin
 
     def apply(self, x_THD: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """RoPE of x [T, H, Dh] at positions [T] (int64): [T, H, Dh] in x's dtype.
+
+        Raises:
+            IndexError: a position beyond the tables (max_pos)."""
+        out = rope(x_THD, self.cos, self._sin_signed, positions_T)
+        if out is not None:
+            return out
         cos, sin = self.tables(positions_T)
         return torch.addcmul(x_THD * cos, x_THD.roll(self.half, -1), sin)
 

@@ -10,8 +10,8 @@ Every rank calls both for every MoE layer of every step, with zero rows if it ha
 collectives always match.
 
 The exchange is chosen when the dispatcher is built: with `world_size == 1` the rows go straight to the
-experts (no collective: the reference every EP run must equal; one decode token takes `combine_token`, the
-experts' one-call path); otherwise `torch.distributed.all_to_all_single` with uneven splits, counts exchanged
+experts (no collective: the reference every EP run must equal; without padding ids the step's tokens take
+`combine_tokens`, one decode token `combine_token`: the experts' one-call paths); otherwise `torch.distributed.all_to_all_single` with uneven splits, counts exchanged
 first. On top of that, a step whose agreed largest token count allows it takes the fixed-capacity exchange
 (no counts: see `AllToAllDispatcher`): a per-step choice, made from `step_max_tokens`, the same on every rank.
 The same-node shared-memory transport (`actors.rank.shm_collective`), when the rank has one, is given to the
@@ -203,9 +203,11 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, layer, x_TD, topk_ids_TK, *, may_pad=True, step_max_tokens=None):
         T, K = topk_ids_TK.shape
-        if T == 1 and not may_pad and self.identity[layer]:  # one decode token on one rank: fewest ops
-            self._sent_fast[layer] += K
-            return ExpertRows(x_TD, topk_ids_TK[0], kind="token"), DispatchHandle(None, None, T, K)
+        if not may_pad and self.identity[layer]:  # one rank, no padding: the experts weigh and sum each token's K
+            self._sent_fast[layer] += T * K
+            if T == 1:  # one decode token: fewest ops
+                return ExpertRows(x_TD, topk_ids_TK[0], kind="token"), DispatchHandle(None, None, T, K)
+            return ExpertRows(x_TD, topk_ids_TK, kind="tokens"), DispatchHandle(None, None, T, K)
         ids_P = topk_ids_TK.reshape(-1)
         tok_P = self._tok_of.get((T, K))
         if tok_P is None:
@@ -223,7 +225,7 @@ class AllToAllDispatcher(Dispatcher):
         return rows, DispatchHandle(exchange, state, T, K, keep_V if padded else None)
 
     def combine(self, y_RD, handle, topk_w_TK):
-        if handle.exchange is None:  # the one-token path: the experts already weighed and summed the K rows
+        if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
             return y_RD
         y_V = handle.exchange.receive(y_RD, handle.state)
         T, K, D = handle.T, handle.K, y_V.shape[1]

@@ -4,8 +4,9 @@
 each with the local row of its expert (0..E_loc-1), results in the rows' order and dtype. Beside the general
 call it has the entries the dispatcher's rows may need: `ExpertRows` (what a dispatcher hands the experts)
 picks one in `run`: `run_padded` (a fixed-capacity exchange: rows with id -1 give zero rows), `combine_token`
-(one decode token through its K experts on one rank, weighted and summed; `run_token` without the sum).
-No entry is probed with getattr: every implementation has all four. The protocol's own bodies are the
+(one decode token through its K experts on one rank, weighted and summed; `run_token` without the sum),
+`combine_tokens` (every token of a step through its K experts on one rank, weighted and summed).
+No entry is probed with getattr: every implementation has all five. The protocol's own bodies are the
 reference for those entries, built on `__call__`; an implementation subclasses it and overrides what it can do
 faster. `LocalExperts` (here) holds full-precision weights; `actors.experts.packed.PackedLayerExperts` packed
 ones with a dequantized cache.
@@ -49,23 +50,34 @@ class Experts(Protocol):
         y_KD = self.run_token(x_1D, local_ids_K)
         return weights_1K.to(y_KD.dtype) @ y_KD  # [1, K] @ [K, D]
 
+    def combine_tokens(self, x_TD: torch.Tensor, local_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Every token through its K experts (all on this rank), summed with its routing weights: [T, D],
+        y[t] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) (ids >= 0)."""
+        T, K = local_ids_TK.shape
+        y_PD = self(x_TD.repeat_interleave(K, dim=0), local_ids_TK.reshape(-1))  # pairs in token-major order
+        return (y_PD.view(T, K, -1) * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
+
 
 @dataclass(slots=True)
 class ExpertRows:
     """The rows a dispatcher hands this rank's experts (`actors.moe.dispatch`): x [R, D] and the local row of
     each one's expert [R] (int64).
 
-    kind: "rows" (every row real), "padded" (rows with id -1 from a fixed-capacity exchange: zero results) or
-    "token" (one token [1, D] and its K local ids: the experts weigh and sum them, `combine_token`)."""
+    kind: "rows" (every row real), "padded" (rows with id -1 from a fixed-capacity exchange: zero results),
+    "token" (one token [1, D] and its K local ids [K]: the experts weigh and sum them, `combine_token`) or
+    "tokens" (the step's tokens [T, D] and their local ids [T, K]: likewise, `combine_tokens`)."""
 
     x_RD: torch.Tensor
     local_ids_R: torch.Tensor
     kind: str = "rows"
 
     def run(self, experts: Experts, topk_w_TK: torch.Tensor) -> torch.Tensor:
-        """The experts on these rows: [R, D] results (kind "token": [1, D], already weighted and summed)."""
+        """The experts on these rows: [R, D] results (kinds "token" and "tokens": [T, D], already weighted and
+        summed)."""
         if self.kind == "token":
             return experts.combine_token(self.x_RD, self.local_ids_R, topk_w_TK)
+        if self.kind == "tokens":
+            return experts.combine_tokens(self.x_RD, self.local_ids_R, topk_w_TK)
         if self.kind == "padded":
             return experts.run_padded(self.x_RD, self.local_ids_R)
         return experts(self.x_RD, self.local_ids_R)
@@ -145,6 +157,12 @@ class LocalExperts(Experts):
             return y
         y_KD = self.run_token(x_1D, local_ids_K)
         return weights_1K.to(y_KD.dtype) @ y_KD
+
+    def combine_tokens(self, x_TD: torch.Tensor, local_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Every token through its K experts, weighted and summed: [T, D] (bf16 on CPU: one compiled call that
+        gathers, runs each active expert as two GEMMs and scatter-adds the weighted results)."""
+        y = expert_ffn(x_TD, self.w_gate_up, self.w_down, local_ids_TK, weights_TK)
+        return y if y is not None else Experts.combine_tokens(self, x_TD, local_ids_TK, weights_TK)
 
     def _ffn(self, x: torch.Tensor, e: int) -> torch.Tensor:
         g, u = linear(x, self._gu[e]).chunk(2, dim=-1)

@@ -1,7 +1,8 @@
 """Fused CPU kernels for small-batch decode (C in kernels/csrc, compiled at first use); this package re-exports them.
 
-Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `attention` (paged decode attention), `experts`
-(SwiGLU experts with bf16 or fp32 weights), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
+Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `packing` (bf16 weights in the panel GEMM's
+layout, cached), `attention` (paged decode attention), `rope` (rotary embedding), `experts` (SwiGLU experts
+with bf16 or fp32 weights, grouped by expert), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
 `dispatch` (the fixed-capacity dispatch's send buffer), `shm` (the shared-memory all-to-all's copies and futex
 wait), `predict` (the expert predictor's decode-step bookkeeping),
 `_build` (compile, cache and load; holds the library), `_abi` (the C entry points' ctypes argument structs).
@@ -11,7 +12,7 @@ overhead of eager PyTorch (~550 ops per token on the shipped model). These kerne
 without materialising an fp32 copy, and replace a chain of small ops by one call.
 
 Contract: every kernel has a PyTorch path with the same contract, used for other dtypes and devices, large
-batches (more than `tuning.MAX_KERNEL_ROWS` rows), or when the C code cannot be built. `linear` and `rms_norm`
+batches (more than `tuning.MAX_KERNEL_ROWS` rows; the bf16 GEMMs: `MAX_GEMM_ROWS`), or when the C code cannot be built. `linear` and `rms_norm`
 run that path themselves and always return a result; every other wrapper returns None (`decode_attention`:
 False; `MarkovTables.observe`: False) when it cannot run, having written nothing, and its caller then runs its
 own PyTorch path. `cpu_kernels_available()` says whether the compiled code runs: not without a C compiler,
@@ -25,8 +26,10 @@ from kernels.cpu.experts import expert_ffn, swiglu_f32
 from kernels.cpu.linear import linear, rms_norm
 from kernels.cpu.packed import PackedFFNArgs, dequant_packed, packed_expert_ffn
 from kernels.cpu.predict import GateLogprobs, MarkovTables, prefetch_step
+from kernels.cpu.rope import rope
 
 __all__ = [
     "GateLogprobs", "MarkovTables", "PackedFFNArgs", "cpu_kernels_available", "decode_attention", "dequant_packed",
-    "expert_ffn", "linear", "pack_fixed_rows", "packed_expert_ffn", "prefetch_step", "rms_norm", "swiglu_f32",
+    "expert_ffn", "linear", "pack_fixed_rows", "packed_expert_ffn", "prefetch_step", "rms_norm", "rope",
+    "swiglu_f32",
 ]

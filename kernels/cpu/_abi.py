@@ -35,7 +35,7 @@ class DecodeAttentionArgs(ctypes.Structure):
 
 class ExpertFFNArgs(ctypes.Structure):
     """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
-    _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L E, L D, L I, P y, L sy")
+    _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L K, L E, L D, L I, P y, L sy")
 
 
 class PackRowsArgs(ctypes.Structure):
@@ -89,6 +89,7 @@ SIGNATURES = {
     "moeray_linear_bf16w": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], _L),
     "moeray_linear_panels": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], None),
     "moeray_rms_norm": (_ptr(RmsNormArgs), None),
+    "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),

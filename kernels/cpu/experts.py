@@ -23,48 +23,50 @@ from kernels.cpu._abi import ExpertFFNArgs, f32_cpu
 from kernels.cpu.packing import panels
 
 
-def expert_ffn(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids_R: torch.Tensor,
-               weights_R: torch.Tensor | None = None) -> torch.Tensor | None:
+def expert_ffn(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor | None = None) -> torch.Tensor | None:
     """SwiGLU experts with bf16 weights for fp32 rows, in one call (grouped by expert inside).
 
     Args:
-        x_RD: [R, D] fp32 rows (with `weights_R`, [1, D] is one token sent to every expert of ids_R).
-        w_gate_up: [E, 2I, D] bf16 (gate rows, then up rows), w_down: [E, D, I] bf16, contiguous.
-        ids_R: int64 [R] expert of each row (-1: none, a zero row or no contribution).
-        weights_R: optional fp32 [R] routing weights: then the result is `sum_r w_r f_{ids_r}(x)` [1, D].
+        x_TD: [T, D] fp32 token rows. ids: int64 expert of each (token, expert) pair, -1 for none: [T, K] (K pairs
+            per token), or [R] (R rows of x, one pair each; with `weights`, x is [1, D] and the R pairs are that
+            token's). w_gate_up: [E, 2I, D] bf16 (gate rows, then up rows), w_down: [E, D, I] bf16, contiguous.
+        weights: optional fp32 routing weights, ids' shape: then each token's pairs are weighed and summed.
     Returns:
-        [R, D] (or [1, D]) fp32, or None when the kernel cannot run (other dtypes/devices, more than
-        `MAX_GEMM_ROWS` rows): the caller uses its PyTorch path.
+        fp32: without weights, [P, D] with row p = f_{ids_p}(x of p's token) (P pairs in ids' row-major order,
+        zeros for id -1); with weights, [T, D] with row t = sum_k w[t, k] f_{ids[t, k]}(x[t]). None when the
+        kernel cannot run (other dtypes/devices, more than `MAX_GEMM_ROWS` pairs): the caller's PyTorch path.
     Raises:
         RuntimeError: mismatched shapes. ValueError: an id >= E. MemoryError: no scratch.
     """
     lib = _build.lib()
-    R = ids_R.numel()
+    R = ids.numel()
     if (lib is None or R > tuning.MAX_GEMM_ROWS or w_gate_up.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16
-            or not f32_cpu(x_RD) or not (w_gate_up.is_contiguous() and w_down.is_contiguous())
-            or x_RD.stride(-1) != 1 or (weights_R is not None and not f32_cpu(weights_R))):
+            or not f32_cpu(x_TD) or not (w_gate_up.is_contiguous() and w_down.is_contiguous())
+            or x_TD.stride(-1) != 1 or (weights is not None and not f32_cpu(weights))):
         return None
     E, I2, D = w_gate_up.shape
-    if x_RD.shape[-1] != D or w_down.shape != (E, D, I2 // 2) or (weights_R is None and x_RD.shape[0] != R):
-        raise RuntimeError(f"expert_ffn: x {tuple(x_RD.shape)}, w_gate_up {tuple(w_gate_up.shape)}, "
-                           f"w_down {tuple(w_down.shape)}, {R} ids do not match")
-    ids = ids_R if ids_R.dtype is torch.int64 and ids_R.is_contiguous() else ids_R.to(torch.int64).contiguous()
-    gup, dnp = panels(w_gate_up), panels(w_down)  # packed stacks (`kernels.cpu.packing`), once seen twice
-    gup_p, dnp_p = (gup.data_ptr() if gup is not None else None), (dnp.data_ptr() if dnp is not None else None)
-    if weights_R is not None:
-        wts = weights_R.reshape(-1).contiguous()
-        y = torch.empty(1, D, dtype=torch.float32)
-        args = ExpertFFNArgs(x_RD.data_ptr(), 0, w_gate_up.data_ptr(), w_down.data_ptr(), gup_p, dnp_p,
-                             ids.data_ptr(), wts.data_ptr(), R, E, D, I2 // 2, y.data_ptr(), D)
+    if ids.dim() == 2:
+        T, K = ids.shape
     else:
-        y = torch.empty(R, D, dtype=torch.float32)
-        if not R:
-            return y
-        args = ExpertFFNArgs(x_RD.data_ptr(), x_RD.stride(0), w_gate_up.data_ptr(), w_down.data_ptr(), gup_p, dnp_p,
-                             ids.data_ptr(), None, R, E, D, I2 // 2, y.data_ptr(), D)
-    rc = lib.moeray_expert_ffn_bf16w(ctypes.byref(args))
+        T, K = (1, R) if weights is not None else (R, 1)
+    if (x_TD.dim() != 2 or x_TD.shape != (T, D) or w_down.shape != (E, D, I2 // 2) or K < 1
+            or (weights is not None and weights.numel() != R)):
+        raise RuntimeError(f"expert_ffn: x {tuple(x_TD.shape)}, w_gate_up {tuple(w_gate_up.shape)}, w_down "
+                           f"{tuple(w_down.shape)}, ids {tuple(ids.shape)}"
+                           f"{'' if weights is None else f', weights {tuple(weights.shape)}'} do not match")
+    ids = ids if ids.dtype is torch.int64 and ids.is_contiguous() else ids.to(torch.int64).contiguous()
+    gup, dnp = panels(w_gate_up), panels(w_down)  # packed stacks (`kernels.cpu.packing`), once seen twice
+    wts = None if weights is None else weights.contiguous()
+    y = torch.empty(T if wts is not None else R, D, dtype=torch.float32)
+    if not R:
+        return y.zero_()
+    rc = lib.moeray_expert_ffn_bf16w(ctypes.byref(ExpertFFNArgs(
+        x_TD.data_ptr(), x_TD.stride(0), w_gate_up.data_ptr(), w_down.data_ptr(),
+        gup.data_ptr() if gup is not None else None, dnp.data_ptr() if dnp is not None else None,
+        ids.data_ptr(), None if wts is None else wts.data_ptr(), R, K, E, D, I2 // 2, y.data_ptr(), D)))
     if rc == -2:
-        raise ValueError(f"expert_ffn: an expert id in ids_R is >= num_experts={E}")
+        raise ValueError(f"expert_ffn: an expert id in ids is >= num_experts={E}")
     if rc:
         raise MemoryError(f"expert_ffn: no scratch for {R} rows")
     return y

@@ -145,9 +145,10 @@ def test_rms_norm_and_fused_residual_match_float64(shape):
 
 @needs_kernels
 @pytest.mark.parametrize("H,Hkv,Dh", [(4, 2, 24), (2, 2, 64), (6, 1, 8), (3, 1, 12)])
-def test_decode_attention_matches_reference(H, Hkv, Dh):
+def test_decode_attention_matches_reference(isa, H, Hkv, Dh):
     """Three decode sequences (lengths 1, 7 and 23 over blocks of 5, scattered block tables) among prefill
-    rows: the kernel writes exactly the decode rows, equal to the reference's."""
+    rows: the kernel writes exactly the decode rows, equal to the reference's (AVX-512: head pairs and a lone
+    head of a KV group, head dims not multiples of 16)."""
     from actors.model.attention import AttentionMetadata, paged_attention_ref
     from kernels.cpu import decode_attention
 
@@ -369,3 +370,26 @@ def test_packed_expert_ffn_and_markov_tables_reject_out_of_range_ids():
     t = cpu_kernels.MarkovTables(f, m, m.clone())
     assert t.observe(0, [[1, 7, -1]], [[9, 2]], None)
     assert f[0].tolist() == [0, 1, 0, 0] and m[0, 2, 1] == 1 and m.sum() == 1
+
+
+@needs_kernels
+@pytest.mark.parametrize("Dh", [64, 24, 12])
+def test_rope_kernel_matches_the_torch_path_and_hf_apply_rope(Dh, monkeypatch):
+    """Rotary.apply's one compiled call equals its PyTorch path and `kernels.rope.apply_rope` (HF rotate-half) on
+    rows that are a column slice of a fused q/k/v (strided), every half-width tail; out-of-range positions raise."""
+    from actors.model.layers import Rotary
+    from kernels.rope import apply_rope
+
+    g = torch.Generator().manual_seed(Dh)
+    rot = Rotary(Dh, 10000.0, 50, torch.float32)
+    fused = torch.randn(7, 3 * Dh + 5, generator=g)
+    x = fused[:, 5 : 5 + 3 * Dh].view(7, 3, Dh)  # strided rows, as q after the fused projection's split
+    pos = torch.tensor([0, 3, 49, 7, 7, 1, 20])
+    got = rot.apply(x, pos)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, apply_rope(x, rot.cos[pos], rot.sin[pos]), atol=1e-6, rtol=1e-6)
+    with pytest.raises(IndexError):
+        rot.apply(x, torch.tensor([0, 1, 2, 3, 4, 5, 50]))
+    monkeypatch.setattr(_build, "_lib", None)
+    monkeypatch.setattr(_build, "_tried", True)
+    torch.testing.assert_close(got, rot.apply(x, pos), atol=1e-6, rtol=1e-6)
