@@ -55,7 +55,7 @@ class Experts(Protocol):
         y[t] = sum_k w[t, k] expert_{ids[t, k]}(x[t]) (ids >= 0)."""
         T, K = local_ids_TK.shape
         y_PD = self(x_TD.repeat_interleave(K, dim=0), local_ids_TK.reshape(-1))  # pairs in token-major order
-        return (y_PD.view(T, K, -1) * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
+        return (y_PD.view(T, K, y_PD.shape[-1]) * weights_TK.unsqueeze(-1).to(y_PD.dtype)).sum(dim=1)
 
 
 @dataclass(slots=True)

@@ -41,3 +41,13 @@ def test_tokens_path_equals_general_path(T, dtype):
             got = disp.run(0, x, ids, w, exp, may_pad=False)
             torch.testing.assert_close(got, general, atol=2e-5, rtol=1e-5)
     assert disp.sent_rows.tolist() == [[(2 + 2 * 2) * T * K]]  # every dispatch counts its T * K rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tokens_path_of_an_empty_step(dtype):
+    """A step with no tokens (a rank joining the others' step, or everything aborted) gives [0, D], not a reshape
+    error (seen in tests/actors/engine/test_scheduler.py's random workload)."""
+    experts = LocalExperts(torch.zeros(E, 2 * I, D).to(dtype), torch.zeros(E, D, I).to(dtype))
+    for exp in (experts, _Reference(experts)):
+        y = exp.combine_tokens(torch.zeros(0, D), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K))
+        assert y.shape == (0, D)
