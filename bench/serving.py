@@ -95,7 +95,7 @@ class Server:
 
     def __init__(self, kind: str, ranks: int, peer_py: str | None = None, peer_dir: str | None = None):
         self.kind, self.ranks, self.port = kind, ranks, free_port()
-        self.name = f"moeray-{ranks}rank" if kind == "moeray" else "vllm"
+        self.name = (f"moeray-{ranks}rank" + ("s" if ranks > 1 else "")) if kind == "moeray" else "vllm"
         log = open(os.path.join(tempfile.gettempdir(), f"serving-{self.name}.log"), "w")
         if kind == "moeray":
             env = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=ROOT)
@@ -280,6 +280,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--ranks-list", default="1,2")
     ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--save", default=None, help="also write the raw per-round results here (JSON)")
     a = ap.parse_args()
     rounds = a.rounds or (3 if a.quick else 5)
     concs = [int(x) for x in a.concurrency.split(",")]
@@ -305,6 +306,9 @@ def main() -> None:
                 print(f"# round {rnd + 1} {srv.name} failed: {type(e).__name__}: {e}", flush=True)
             finally:
                 srv.stop()
+    if a.save:
+        with open(a.save, "w") as f:
+            json.dump(results, f)
     report(results, concs, a, peer_py is not None)
 
 
