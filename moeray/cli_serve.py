@@ -39,8 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: no HTTP, no Serve)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: no gRPC)")
     p.add_argument("--api-key", default=None, help="required bearer key (default: $MOERAY_API_KEY; none if unset)")
-    p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default, help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: "
-                        "by memory, 4096 at max_model_len 1024)")
+    p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default,
+                   help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: by memory, "
+                        "4096 at max_model_len 1024)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--http-via", choices=("replica", "proxy"), default="replica",

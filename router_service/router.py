@@ -25,11 +25,11 @@ import ray
 from tokenizers import Tokenizer
 
 from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
-from actors.rank.output_channel import read_frame
 from actors.engine.sampling import SamplingParams
+from actors.rank.output_channel import read_frame
 from cluster.launcher import EPCluster
-from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.admission import default_max_queue, max_prompt_chars
+from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")

@@ -5,7 +5,6 @@ import functools
 import re
 from dataclasses import asdict, dataclass, field
 
-
 from actors.kv.profile_choice import AUTO as KV_PROFILE_AUTO
 from actors.moe.gating import POLICIES
 

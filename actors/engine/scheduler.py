@@ -20,9 +20,9 @@ wait forever.
 """
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
-import random
 
 from actors.engine.detokenizer import IncrementalDetokenizer
 from actors.kv.allocator import BlockAllocator
@@ -37,7 +37,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    generator: random.Random | None = None  # its uniform stream (`sampling.make_generator`); None: greedy
+    generator: random.Random | None = None  # its uniform stream (`sampler.make_generator`); None: greedy
     output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # tokens whose K/V are in the cache
@@ -46,15 +46,11 @@ class Sequence:
     arrival: float = 0.0
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """all_ids[start:end] without copying the whole sequence."""
+        """(prompt_ids + output_ids)[start:end] without copying the whole sequence."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]

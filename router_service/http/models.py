@@ -200,7 +200,7 @@ class ServeAppArgs(BaseModel):
         / $MOERAY_NUM_CPUS_PER_RANK, else 1 GPU per rank when the Ray cluster has GPUs, else 0 GPU and 0.5 CPU).
         Pods set these through the environment, so one config serves a laptop and a GPU cluster.
     max_queue: requests in flight (running + queued) per replica before HTTP 503 / RESOURCE_EXHAUSTED (None:
-        `router_service.router.default_max_queue`, 4096 at max_model_len 1024).
+        `router_service.admission.default_max_queue`, 4096 at max_model_len 1024).
     api_key: required bearer key (None: $MOERAY_API_KEY; unset or empty: no key).
     grpc_port: if set, the replica also serves gRPC on grpc_host:grpc_port (127.0.0.1 unless told otherwise).
     http_port: if set, the replica serves the HTTP app itself on http_host:http_port (`router_service.serve.
