@@ -1,7 +1,8 @@
 """Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
 
-One poller thread per rank reads the rank's output channel (a TCP stream of msgpack frames, see
-`actors.rank.output_channel`) and routes each `TokenOutput` to its request's stream (`router_service.stream`).
+Each rank's channel (`router_service.rank_channels`: one TCP connection per rank, a poller thread each) brings
+its `TokenOutput`s, which the router routes to their requests' streams (`router_service.stream`); requests,
+aborts and wakes go the other way on the same connections once every rank's is up, over Ray actor calls before.
 A request's stream ends with exactly one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import socket
 import threading
 import time
 import uuid
@@ -24,19 +24,16 @@ import uuid
 import ray
 from tokenizers import Tokenizer
 
-from actors.engine.messages import GenerateRequest, TokenOutput, decode_frame
+from actors.engine.messages import GenerateRequest, TokenOutput
 from actors.engine.sampling import SamplingParams
-from actors.rank.output_channel import read_frame
+from actors.rank.output_channel import ABORT, REQUEST
 from cluster.launcher import EPCluster
 from router_service.admission import default_max_queue, max_prompt_chars
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.rank_channels import RankChannels
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
-
-# seconds without any frame on a rank's output channel (it sends a heartbeat every second) before the router
-# asks the actor directly whether it is alive
-CHANNEL_SILENCE_S = 15.0
 
 
 class Router:
@@ -72,10 +69,9 @@ class Router:
         self._start_pollers()
 
     def _start_pollers(self) -> None:
-        self._pollers = [threading.Thread(target=self._poll_rank, args=(i, self._gen), daemon=True,
-                                          name=f"poll-rank{i}-g{self._gen}") for i in range(self.cfg.ranks)]
-        for t in self._pollers:
-            t.start()
+        gen = self._gen
+        self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
+                                      lambda reason: self._on_rank_failure(gen, reason))
 
     # ------------------------------------------------------------------ validation
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -136,7 +132,9 @@ class Router:
             self._streams[rid] = stream
         msg = GenerateRequest(request_id=rid, prompt_ids=ids, params=params.to_dict(), arrival=time.time()).encode()
         try:
-            ray.get(self.cluster.ranks[rank].add_request.remote(msg), timeout=30)
+            sent = self._channels.post(rank, REQUEST, msg)
+            if not sent:  # the channels are not all up yet: the actor call, which returns once the rank holds it
+                ray.get(self.cluster.ranks[rank].add_request.remote(msg), timeout=30)
         except Exception as e:  # noqa: BLE001
             self._finish(rid)
             raise EngineError(f"rank {rank} refused the request: {e}") from e
@@ -145,8 +143,9 @@ class Router:
             pending = stream.abort_pending
             # drawn only now that the rank holds the request: a rank that has seen this seq also sees the request
             # (a seq drawn before could reach the ranks, via another request's wake, ahead of the request itself)
-            seq = next(self._seq)
-        self._wake_others(None, seq)
+            seq = None if sent else next(self._seq)
+        if seq is not None:
+            self._wake_others(None, seq)
         if pending:
             self.abort(rid)
         return stream
@@ -165,8 +164,17 @@ class Router:
                 return
         if stream is None:
             return
-        self.cluster.ranks[stream.rank].abort.remote(request_id, seq)
-        self._wake_others(stream.rank, seq)
+        self._abort_on_rank(stream.rank, request_id, seq)
+
+    def _abort_on_rank(self, rank: int, request_id: str, seq: int) -> None:
+        """Let `rank` end `request_id` (its KV blocks freed): over the channels, else the actor calls with `seq`."""
+        try:
+            if self._channels.post(rank, ABORT, request_id.encode()):
+                return
+        except OSError:  # the channel broke: the rank's poller rebuilds the group
+            return
+        self.cluster.ranks[rank].abort.remote(request_id, seq)
+        self._wake_others(rank, seq)
 
     def _finish(self, rid: str) -> RequestStream | None:
         with self._lock:
@@ -174,35 +182,6 @@ class Router:
             if stream is not None:
                 self._rank_cost[stream.rank] -= stream.cost
         return stream
-
-    def _poll_rank(self, rank: int, gen: int) -> None:
-        """Read rank `rank`'s output channel until the generation ends; a dead or failed rank starts a rebuild.
-        Silence (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives."""
-        actor = self.cluster.ranks[rank]
-        conn = None
-        try:
-            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
-            conn = socket.create_connection((host, port), timeout=60)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(token.encode() + b"\n")
-            conn.settimeout(CHANNEL_SILENCE_S)
-
-            def alive() -> None:  # silence: ask the actor (raises if it is gone or failed)
-                h = ray.get(actor.health.remote(), timeout=60)
-                if not h["ok"]:
-                    raise RuntimeError(h["error"] or "loop thread stopped")
-
-            while not self._closed and gen == self._gen:
-                outs, failed = decode_frame(read_frame(conn, alive))
-                self._dispatch(outs)
-                if failed is not None:
-                    raise RuntimeError(failed)
-        except Exception as e:  # noqa: BLE001 - the rank died or failed: rebuild the group
-            if not self._closed and gen == self._gen:
-                self._on_rank_failure(gen, f"rank {rank} unreachable: {type(e).__name__}: {e}")
-        finally:
-            if conn is not None:
-                conn.close()
 
     def _dispatch(self, outs: list[TokenOutput]) -> None:
         """Route one frame's outputs to their streams: one lock for the lookups, and one post per event loop for
@@ -240,6 +219,7 @@ class Router:
             if gen != self._gen or self._closed:
                 return
             self._gen += 1
+            self._channels.close()  # the old generation's channels take no more control frames
             self._recovering = reason
             self._recovering_since = t0 = time.monotonic()
         log.error("%s: failing in-flight requests and rebuilding the EP group", reason)
@@ -279,8 +259,7 @@ class Router:
         for st in left:  # the ranks let go of them (and their KV blocks) at once
             with self._lock:
                 seq = next(self._seq)
-            self.cluster.ranks[st.rank].abort.remote(st.request_id, seq)
-            self._wake_others(st.rank, seq)
+            self._abort_on_rank(st.rank, st.request_id, seq)
         return self._fail_rank(None, "the server is shutting down; retry the request")
 
     # ------------------------------------------------------------------ lookups (front doors, metrics)
@@ -338,5 +317,4 @@ class Router:
             self._closed = True
         seq = next(self._seq)
         self.cluster.shutdown(seq)
-        for t in self._pollers:
-            t.join(timeout=5)
+        self._channels.close(join_s=5)

@@ -1,8 +1,10 @@
 """The lockstep loop of one rank: the step thread that keeps every rank's collectives paired.
 
 Lockstep protocol. Every router call that may create work (a request, an abort, shutdown) is followed
-by a wake sequence number `seq` that is sent to every rank; for a request, the router draws it only
-after the owning rank holds the request. A rank sleeps (on a condition variable: no spinning) until it
+by a wake sequence number `seq` that is sent to every rank; a rank that has seen a `seq` holds the
+request behind it: over Ray actor calls, the router draws the seq only after the owning rank holds the
+request; over the ranks' channels (`router_service.rank_channels`), it writes the request and then the
+seq on the owner's connection, whose frames arrive in order. A rank sleeps (on a condition variable: no spinning) until it
 has seen a `seq` above the last agreed one. Each round, every rank reads its `seen_seq` and then
 checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens]` to one
 MAX over the group (an all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks

@@ -1,4 +1,4 @@
-"""The rank's output channel: a plain TCP stream of length-prefixed frames to the router, and the outbox behind it.
+"""The rank's channel to the router: a plain TCP stream of length-prefixed frames both ways, and the outbox behind it.
 
 Outputs reach the router over this stream, not one Ray call per token: a Ray `poll` round trip per decode step,
 and even a second thread woken per step to send, cost a sizeable share of a CPU rank's decode step (the GIL and
@@ -7,6 +7,12 @@ thread itself writes the frames after each step (`emit`, `tick`): a 4-byte big-e
 `encode_outputs` bytes; an empty frame is a heartbeat, sent when idle for `HEARTBEAT_S`. An accept thread only
 authenticates the router (a per-channel random token, sent first, ASCII hex, newline-terminated) and hands the
 connection to the loop; one connection is served at a time (a new one replaces the old).
+
+The router writes control frames on the same connection (`encode_control`: a request, an abort, a wake, each with
+its wake sequence number; see `actors.rank.lockstep` for the protocol); a reader thread per connection hands them
+to the rank (`on_control`). One Ray actor call per request and per wake cost the first token 3-4 ms each on the
+2-core machine; a frame costs tens of microseconds. Frames on one connection arrive in the order written, which
+the lockstep protocol relies on: the router writes a request, then its seq, to the owning rank.
 
 A failed rank sends a `failed` frame first, then the error outputs of its requests: the router fails every
 in-flight request of the group with one retriable error when it reads the `failed` frame and rebuilds the group,
@@ -22,11 +28,33 @@ import socket
 import struct
 import threading
 import time
+import traceback
 from typing import Callable
 
 from actors.engine.messages import TokenOutput, encode_failure, encode_outputs
 
 HEARTBEAT_S = 1.0  # the sender writes an empty frame after this long without outputs
+
+# control frames (router -> rank): kind byte, wake seq (uint64, big-endian), payload
+CONTROL = struct.Struct(">cQ")
+REQUEST, ABORT, WAKE = b"R", b"A", b"W"  # payload: `GenerateRequest.encode()`, request id (UTF-8), nothing
+
+
+def encode_control(kind: bytes, seq: int, payload: bytes = b"") -> bytes:
+    """One router -> rank frame, length prefix included: `kind` (REQUEST | ABORT | WAKE), the wake `seq` that
+    follows it, then the payload."""
+    body = CONTROL.pack(kind, seq) + payload
+    return struct.pack(">I", len(body)) + body
+
+
+def decode_control(frame: bytes) -> tuple[bytes, int, bytes]:
+    """(kind, seq, payload) of a control frame's body. Raises ValueError on a malformed one."""
+    if len(frame) < CONTROL.size:
+        raise ValueError(f"control frame of {len(frame)} bytes; at least {CONTROL.size} expected")
+    kind, seq = CONTROL.unpack_from(frame)
+    if kind not in (REQUEST, ABORT, WAKE):
+        raise ValueError(f"control frame kind {kind!r}")
+    return kind, seq, frame[CONTROL.size:]
 
 
 class OutputChannel:
@@ -36,15 +64,19 @@ class OutputChannel:
         rank: the rank (thread names). host: returns the address to listen on (called once, at `open`).
         wake: wakes the loop thread (it adopts a new connection at once, flushing the outbox).
         loop_alive: whether the loop thread still runs. failure: the rank's failure message (None: healthy).
+        on_control: called with (kind, seq, payload) of every control frame the router writes, in order, on the
+            connection's reader thread (None: control frames are refused, the connection closed).
 
     Thread-safety: `open` and `push` from any thread; `emit` and `tick` from the loop thread (or, once it is
     gone, the accept thread).
     """
 
     def __init__(self, rank: int, *, host: Callable[[], str], wake: Callable[[], None],
-                 loop_alive: Callable[[], bool], failure: Callable[[], str | None]):
+                 loop_alive: Callable[[], bool], failure: Callable[[], str | None],
+                 on_control: Callable[[bytes, int, bytes], None] | None = None):
         self.rank = rank
         self._host, self._wake, self._loop_alive, self._failure = host, wake, loop_alive, failure
+        self._on_control = on_control
         self._out_lock = threading.Lock()  # outbox and connection hand-over (accept thread <-> loop thread)
         self._outbox: list[TokenOutput] = []
         self._channel: socket.socket | None = None  # listening socket
@@ -90,6 +122,8 @@ class OutputChannel:
                 conn.close()
                 continue
             loop_alive = self._loop_alive()
+            threading.Thread(target=self._read_control, args=(conn,), name=f"rank{self.rank}-control",
+                             daemon=True).start()
             with self._out_lock:
                 old, self._new_conn = self._new_conn, conn
             if old is not None:
@@ -98,6 +132,23 @@ class OutputChannel:
                 self._wake()  # an idle loop adopts it at once (flushing what waited in the outbox)
             else:  # the loop is gone (failed or stopped): deliver what is left from here
                 self.tick(heartbeat=False)
+
+    def _read_control(self, conn: socket.socket) -> None:
+        """The reader thread of one connection: control frames to `on_control` until it closes. A malformed frame
+        or a refused one closes the connection (the router then treats the rank as unreachable)."""
+        try:
+            while True:
+                frame = read_frame(conn, lambda: None)
+                if not frame:
+                    continue
+                if self._on_control is None:
+                    raise ValueError("this rank takes no control frames")
+                self._on_control(*decode_control(frame))
+        except (OSError, ConnectionError):
+            return
+        except Exception:  # noqa: BLE001 - a bad frame: drop the connection, loudly
+            traceback.print_exc()
+            conn.close()
 
     def tick(self, heartbeat: bool = True) -> None:
         """Loop thread: adopt a new connection, send the `failed` frame (a failed rank), waiting outputs, and a
@@ -166,6 +217,6 @@ def recv_exact(conn: socket.socket, n: int, on_timeout) -> bytes:
 
 
 def read_frame(conn: socket.socket, on_timeout) -> bytes:
-    """The router's side: one frame's payload (b"" for a heartbeat); `on_timeout` as in `recv_exact`."""
+    """One frame's payload (b"" for a heartbeat) from either side; `on_timeout` as in `recv_exact`."""
     n = struct.unpack(">I", recv_exact(conn, 4, on_timeout))[0]
     return recv_exact(conn, n, on_timeout) if n else b""

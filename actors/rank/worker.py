@@ -22,7 +22,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.engine.messages import GenerateRequest
 from actors.rank.lockstep import LockstepLoop
-from actors.rank.output_channel import OutputChannel
+from actors.rank.output_channel import ABORT, REQUEST, OutputChannel
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
 from kernels import tuning
@@ -62,7 +62,7 @@ class RankWorker(LockstepLoop):
         self._pl_cond = threading.Condition()
         self.channel = OutputChannel(rank, host=self.node_ip, wake=lambda: self._bump(0),
                                      loop_alive=lambda: self._thread is not None and self._thread.is_alive(),
-                                     failure=lambda: self._failed)
+                                     failure=lambda: self._failed, on_control=self._on_control)
 
     # ------------------------------------------------------------------ bring-up
     def node_ip(self) -> str:
@@ -130,6 +130,17 @@ class RankWorker(LockstepLoop):
         if self._failed is not None:
             raise RuntimeError(self._failed)
         self.engine.add_request(GenerateRequest.decode(data))
+        self._bump(seq)
+
+    def _on_control(self, kind: bytes, seq: int, payload: bytes) -> None:
+        """A control frame from the router's channel (`actors.rank.output_channel.encode_control`): the same
+        calls as the Ray methods, in the order the router wrote them. A failed rank drops requests (the router
+        fails them when it reads the `failed` frame)."""
+        if kind == REQUEST:
+            if self._failed is None:
+                self.engine.add_request(GenerateRequest.decode(payload))
+        elif kind == ABORT:
+            self.engine.abort(payload.decode())
         self._bump(seq)
 
     def abort(self, request_id: str, seq: int) -> None:

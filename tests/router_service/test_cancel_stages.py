@@ -392,27 +392,43 @@ def test_grpc_cancel_rpc_of_a_queued_request(llm):
 
 
 @pytest.mark.ray
-def test_router_cancel_while_the_rank_is_taking_the_request(llm, monkeypatch):
-    """A cancel (e.g. gRPC Cancel with the client's request_id) that arrives while `submit` still waits for the
-    rank to accept the request is not lost: it is held and replayed once the rank has the request. (The engine
-    also tolerates an abort that overtakes its request within one drain; the router does not rely on that.)"""
+@pytest.mark.parametrize("path", ["channel", "actor"])
+def test_router_cancel_while_the_rank_is_taking_the_request(llm, monkeypatch, path):
+    """A cancel (e.g. gRPC Cancel with the client's request_id) that arrives while `submit` is still handing the
+    request to its rank is not lost: it is held and replayed once the rank has the request. (The engine also
+    tolerates an abort that overtakes its request within one drain; the router does not rely on that.)
+    path: "channel", the request frame on the rank's channel; "actor", the Ray actor call the router takes
+    while the channels are not all up (forced here by a `post` that sends nothing)."""
     import router_service.router as rmod
+    from actors.rank.output_channel import REQUEST
 
     router = llm.router
-    real_get, rid = rmod.ray.get, "cancel-during-admission"
-    calls = []
+    channels, rid, calls = router._channels, "cancel-during-admission-" + path, []
+    real_get, real_post = rmod.ray.get, channels.post
 
-    def get_with_cancel(ref, *a, **kw):
-        # once the stream is registered and until submit returns, the rank may not have it yet (pollers call
-        # ray.get too: any call in that window will do)
+    def cancel_once():
         if not calls and router.get_stream(rid) is not None:
             calls.append(1)
             router.abort(rid)
+
+    def post_with_cancel(owner, kind, payload):
+        if kind == REQUEST:
+            cancel_once()
+            if path == "actor":
+                return False
+        return real_post(owner, kind, payload)
+
+    def get_with_cancel(ref, *a, **kw):
+        # pollers call ray.get too: any call in the window will do
+        cancel_once()
         return real_get(ref, *a, **kw)
 
-    monkeypatch.setattr(rmod.ray, "get", get_with_cancel)
+    monkeypatch.setattr(channels, "post", post_with_cancel)
+    if path == "actor":
+        monkeypatch.setattr(rmod.ray, "get", get_with_cancel)
     stream = router.submit(PROMPT, greedy(CTX - 16), request_id=rid)
     monkeypatch.setattr(rmod.ray, "get", real_get)
+    monkeypatch.setattr(channels, "post", real_post)
     assert calls and stream.abort_pending  # deferred, not sent to a rank that may not have the request yet
     outs = collect(stream)
     assert finishes(outs) == ["abort"] and len(stream.out.token_ids) < CTX - 16

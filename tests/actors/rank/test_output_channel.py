@@ -85,3 +85,65 @@ def test_channel_streams_outputs_after_authentication(worker):
     outs, again = _recv_frame(conn)
     assert again is None and any(o.request_id == "doomed" and o.finish_reason == "error" for o in outs)
     conn.close()
+
+
+@pytest.fixture
+def fresh_worker(tmp_path):
+    path = build_tiny_model("qwen2_moe", str(tmp_path))
+    from actors.model.config import ModelConfig
+
+    mc = ModelConfig.from_pretrained(path)
+    w = RankWorker(0, 1, {"model": path, "max_model_len": 64, "kv_cache_bytes": 1 << 20},
+                   ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1).to_dict())
+    w.setup("127.0.0.1", 0)
+    host, port, token = w.open_output_channel()
+    conn = socket.create_connection((host, port), timeout=20)
+    conn.sendall(token.encode() + b"\n")
+    yield w, conn
+    conn.close()
+    w.shutdown(10**9)
+
+
+def _until_finished(conn, rid):
+    got = []
+    while not (got and got[-1].finish_reason):
+        outs, failed = _recv_frame(conn)
+        assert failed is None
+        got += [o for o in outs if o.request_id == rid]
+    return [t for o in got for t in o.token_ids], got[-1].finish_reason
+
+
+def test_control_frames_take_requests_and_aborts_in_order(fresh_worker):
+    """Requests and aborts written on the channel (the router's path once every channel is up) run as the Ray
+    calls do: the same greedy tokens as `add_request`, and an abort frame ends its request and frees its blocks."""
+    from actors.rank.output_channel import ABORT, REQUEST, encode_control
+
+    w, conn = fresh_worker
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True).to_dict()
+    req = GenerateRequest(request_id="by-frame", prompt_ids=[3, 4, 5], params=p)
+    conn.sendall(encode_control(REQUEST, 1, req.encode()))
+    by_frame = _until_finished(conn, "by-frame")
+    w.add_request(GenerateRequest(request_id="by-call", prompt_ids=[3, 4, 5], params=p).encode(), 2)
+    assert by_frame == _until_finished(conn, "by-call") and by_frame[1] == "length" and len(by_frame[0]) == 8
+    free = w.engine.cache.allocator.num_free
+    long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True).to_dict()
+    # the request and its abort in one write: the rank reads them in order (an abort never overtakes)
+    conn.sendall(encode_control(REQUEST, 3, GenerateRequest(request_id="cut", prompt_ids=[3, 4, 5], params=long)
+                                .encode()) + encode_control(ABORT, 4, b"cut"))
+    toks, reason = _until_finished(conn, "cut")
+    assert reason == "abort" and len(toks) < 50
+    deadline = time.monotonic() + 10
+    while w.engine.cache.allocator.num_free != free and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.engine.cache.allocator.num_free == free and not w.engine.has_work
+
+
+def test_a_malformed_control_frame_drops_the_connection(fresh_worker):
+    from actors.rank.output_channel import encode_control
+
+    w, conn = fresh_worker
+    conn.sendall(encode_control(b"R", 1, b"not msgpack"))
+    with pytest.raises((ConnectionError, OSError)):
+        while True:
+            _recv_frame(conn)  # heartbeats until the rank closes it
+    assert w.health()["ok"]  # the rank itself is fine: the router reconnects or rebuilds

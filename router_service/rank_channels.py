@@ -1,0 +1,121 @@
+"""The router's side of the ranks' channels: one TCP connection per rank and cluster generation, both ways.
+
+Each rank listens (`actors.rank.output_channel.OutputChannel`); a poller thread per rank connects, then reads the
+rank's output frames and hands them to the router (`on_outputs`). Once every rank's connection is up, the router's
+requests, aborts and wakes are written on the same connections (`post`): a control frame costs tens of
+microseconds, where the Ray actor calls it replaces (`add_request`, `wake`, `abort`, still the path before the
+connections are up) cost the first token several milliseconds each.
+
+Ordering (what the lockstep protocol of `actors.rank.lockstep` needs): a rank that has seen a wake seq must
+already hold every request behind it. `post` draws the seq and writes every rank's frame under one lock, and the
+frames of one connection arrive in the order written, so the owner reads a request before any seq drawn after it.
+
+A generation's channels end together: the first poller that finds its rank dead or failed reports it
+(`on_failure`), and `close` stops the others.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Callable
+
+import ray
+
+from actors.engine.messages import TokenOutput, decode_frame
+from actors.rank.output_channel import WAKE, encode_control, read_frame
+
+# seconds without any frame on a rank's channel (it sends a heartbeat every second) before the router asks the
+# actor directly whether it is alive
+CHANNEL_SILENCE_S = 15.0
+
+
+class RankChannels:
+    """The channels of one cluster generation.
+
+    Args:
+        ranks: the generation's rank actor handles (`open_output_channel`, `health`), in rank order.
+        next_seq: draws a fresh wake seq (the router's counter, shared by both paths).
+        on_outputs: called on a poller thread with each output frame's `TokenOutput`s.
+        on_failure: called once per failing rank with a reason (the router acts on the first of a generation).
+    """
+
+    def __init__(self, ranks: list, next_seq: Callable[[], int], on_outputs: Callable[[list[TokenOutput]], None],
+                 on_failure: Callable[[str], None]):
+        self.ranks = ranks
+        self._next_seq, self._on_outputs, self._on_failure = next_seq, on_outputs, on_failure
+        self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}
+        self._send_lock = threading.Lock()  # a seq is drawn and written to every rank under it
+        self._closed = False
+        self._threads = [threading.Thread(target=self._poll, args=(i,), daemon=True, name=f"poll-rank{i}")
+                         for i in range(len(ranks))]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def connected(self) -> bool:
+        """Whether every rank's channel is up (so `post` sends)."""
+        with self._lock:
+            return len(self._conns) == len(self.ranks) and not self._closed
+
+    def post(self, owner: int, kind: bytes, payload: bytes) -> bool:
+        """Write (kind, seq, payload) to rank `owner` and a wake with the same fresh seq to every other rank.
+        kind: `REQUEST` (payload `GenerateRequest.encode()`) or `ABORT` (the request id, UTF-8).
+
+        Returns False, sending nothing, while some channel is not up (the caller takes the actor calls).
+        Raises OSError when a write fails (that rank's poller reports it unreachable)."""
+        with self._lock:
+            if self._closed or len(self._conns) != len(self.ranks):
+                return False
+            conns = [self._conns[i] for i in range(len(self.ranks))]
+        with self._send_lock:
+            seq = self._next_seq()
+            for i, conn in enumerate(conns):
+                conn.sendall(encode_control(kind, seq, payload) if i == owner else encode_control(WAKE, seq))
+        return True
+
+    def _poll(self, rank: int) -> None:
+        """Connect to rank `rank`'s channel and read it until `close`; a dead or failed rank is reported. Silence
+        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives."""
+        actor = self.ranks[rank]
+        conn = None
+        try:
+            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
+            conn = socket.create_connection((host, port), timeout=60)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.sendall(token.encode() + b"\n")
+            conn.settimeout(CHANNEL_SILENCE_S)
+            with self._lock:
+                if self._closed:
+                    return
+                self._conns[rank] = conn
+
+            def alive() -> None:  # silence: ask the actor (raises if it is gone or failed)
+                h = ray.get(actor.health.remote(), timeout=60)
+                if not h["ok"]:
+                    raise RuntimeError(h["error"] or "loop thread stopped")
+
+            while not self._closed:
+                outs, failed = decode_frame(read_frame(conn, alive))
+                self._on_outputs(outs)
+                if failed is not None:
+                    raise RuntimeError(failed)
+        except Exception as e:  # noqa: BLE001 - the rank died or failed: the router rebuilds the group
+            if not self._closed:
+                self._on_failure(f"rank {rank} unreachable: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                if self._conns.get(rank) is conn:
+                    del self._conns[rank]
+            if conn is not None:
+                conn.close()
+
+    def close(self, join_s: float = 0.0) -> None:
+        """Stop writing control frames at once; the pollers exit at their next frame (or silence). join_s > 0:
+        wait up to that long for each poller."""
+        with self._lock:
+            self._closed = True
+            self._conns.clear()
+        for t in self._threads:
+            if join_s > 0 and t is not threading.current_thread():
+                t.join(timeout=join_s)
