@@ -107,13 +107,15 @@ class OutputChannel:
                 return
             try:
                 conn.settimeout(10.0)
+                # exactly the token's bytes: control frames may follow in the same segment
+                want = len(self._channel_token) + 1
                 got = b""
-                while not got.endswith(b"\n") and len(got) < 64:
-                    chunk = conn.recv(64 - len(got))
+                while len(got) < want:
+                    chunk = conn.recv(want - len(got))
                     if not chunk:
                         break
                     got += chunk
-                if not hmac.compare_digest(got.strip(), self._channel_token.encode()):
+                if not hmac.compare_digest(got, self._channel_token.encode() + b"\n"):
                     conn.close()
                     continue
                 conn.settimeout(30.0)  # a stuck peer fails a send instead of blocking the loop forever

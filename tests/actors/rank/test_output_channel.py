@@ -147,3 +147,19 @@ def test_a_malformed_control_frame_drops_the_connection(fresh_worker):
         while True:
             _recv_frame(conn)  # heartbeats until the rank closes it
     assert w.health()["ok"]  # the rank itself is fine: the router reconnects or rebuilds
+
+
+def test_a_control_frame_in_the_token_segment_is_not_lost(fresh_worker):
+    """The router may write its first request right behind the token: the rank reads exactly the token, so the
+    frame that shares its TCP segment still arrives (it used to be swallowed with the token, failing the check)."""
+    from actors.rank.output_channel import REQUEST, encode_control
+
+    w, _ = fresh_worker
+    host, port, token = w.open_output_channel()
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True).to_dict()
+    frame = encode_control(REQUEST, 5, GenerateRequest(request_id="behind", prompt_ids=[3, 4], params=p).encode())
+    conn = socket.create_connection((host, port), timeout=20)
+    conn.sendall(token.encode() + b"\n" + frame)
+    toks, reason = _until_finished(conn, "behind")
+    conn.close()
+    assert reason == "length" and len(toks) == 3
