@@ -104,9 +104,12 @@ def paged_attention_ref(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = _gather(k_cache, table)[:ctx].transpose(0, 1)  # [Hkv, ctx, Dh]
         v = _gather(v_cache, table)[:ctx].transpose(0, 1)
         q = q_THD[start : start + n].transpose(0, 1)  # [H, n, Dh]
-        # query i sits at position ctx - n + i and sees keys 0..ctx-n+i
-        mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                           enable_gqa=k.shape[0] != H)[0]
+        if ctx == n:  # the whole prompt: SDPA's own causal mask takes its fused kernel (no [n, n] mask built)
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                               enable_gqa=k.shape[0] != H)[0]
+        else:  # a later chunk: query i sits at position ctx - n + i and sees keys 0..ctx-n+i
+            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                               enable_gqa=k.shape[0] != H)[0]
         out[start : start + n] = o.transpose(0, 1)
     return out
