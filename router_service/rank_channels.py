@@ -29,6 +29,26 @@ from actors.rank.output_channel import WAKE, encode_control, read_frame
 CHANNEL_SILENCE_S = 15.0
 
 
+class RankFailed(RuntimeError):
+    """A rank's `failed` frame: its step loop raised (the message is the rank's own report)."""
+
+
+def client_reason(rank: int, exc: BaseException) -> str:
+    """What a client is told about rank `rank`'s loss, in moeray's words: which rank and what happened, never the
+    exception's text (Ray's carries actor ids, pids, node addresses; the log gets it). Retry advice is added by
+    the router."""
+    if isinstance(exc, RankFailed):
+        kind = str(exc).split(":")[1].strip() if str(exc).count(":") >= 2 else "an error"
+        return f"rank {rank} failed during a step ({kind})"
+    if isinstance(exc, (ConnectionError, EOFError)):
+        return f"rank {rank} is unreachable (its channel closed: the process exited or its node is gone)"
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return f"rank {rank} is unreachable (no answer within {CHANNEL_SILENCE_S:.0f} s)"
+    if type(exc).__module__.startswith("ray"):
+        return f"rank {rank} is unreachable (its actor is gone)"
+    return f"rank {rank} is unreachable ({type(exc).__name__})"
+
+
 class RankChannels:
     """The channels of one cluster generation.
 
@@ -36,11 +56,13 @@ class RankChannels:
         ranks: the generation's rank actor handles (`open_output_channel`, `health`), in rank order.
         next_seq: draws a fresh wake seq (the router's counter, shared by both paths).
         on_outputs: called on a poller thread with each output frame's `TokenOutput`s.
-        on_failure: called once per failing rank with a reason (the router acts on the first of a generation).
+        on_failure: called once per failing rank with (reason, detail): `reason` in moeray's words for clients
+            (`client_reason`), `detail` with the exception's own text for the log (the router acts on the first
+            report of a generation).
     """
 
     def __init__(self, ranks: list, next_seq: Callable[[], int], on_outputs: Callable[[list[TokenOutput]], None],
-                 on_failure: Callable[[str], None]):
+                 on_failure: Callable[[str, str], None]):
         self.ranks = ranks
         self._next_seq, self._on_outputs, self._on_failure = next_seq, on_outputs, on_failure
         self._lock = threading.Lock()
@@ -93,16 +115,16 @@ class RankChannels:
             def alive() -> None:  # silence: ask the actor (raises if it is gone or failed)
                 h = ray.get(actor.health.remote(), timeout=60)
                 if not h["ok"]:
-                    raise RuntimeError(h["error"] or "loop thread stopped")
+                    raise RankFailed(h["error"] or "loop thread stopped")
 
             while not self._closed:
                 outs, failed = decode_frame(read_frame(conn, alive))
                 self._on_outputs(outs)
                 if failed is not None:
-                    raise RuntimeError(failed)
+                    raise RankFailed(failed)
         except Exception as e:  # noqa: BLE001 - the rank died or failed: the router rebuilds the group
             if not self._closed:
-                self._on_failure(f"rank {rank} unreachable: {type(e).__name__}: {e}")
+                self._on_failure(client_reason(rank, e), f"rank {rank}: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 if self._conns.get(rank) is conn:

@@ -71,7 +71,7 @@ class Router:
     def _start_pollers(self) -> None:
         gen = self._gen
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
-                                      lambda reason: self._on_rank_failure(gen, reason))
+                                      lambda reason, detail: self._on_rank_failure(gen, reason, detail))
 
     # ------------------------------------------------------------------ validation
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
@@ -135,9 +135,10 @@ class Router:
             sent = self._channels.post(rank, REQUEST, msg)
             if not sent:  # the channels are not all up yet: the actor call, which returns once the rank holds it
                 ray.get(self.cluster.ranks[rank].add_request.remote(msg), timeout=30)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - the client gets moeray's words, the log the exception's
             self._finish(rid)
-            raise EngineError(f"rank {rank} refused the request: {e}") from e
+            log.warning("rank %d did not take request %s: %s: %s", rank, rid, type(e).__name__, e)
+            raise EngineError(f"rank {rank} did not take the request ({type(e).__name__}); retry") from e
         with self._lock:
             stream.admitted = True
             pending = stream.abort_pending
@@ -212,9 +213,10 @@ class Router:
             self._finish(s.request_id)
         return len(victims)
 
-    def _on_rank_failure(self, gen: int, reason: str) -> None:
+    def _on_rank_failure(self, gen: int, reason: str, detail: str = "") -> None:
         """First report of a failure in generation `gen`: fail everything in flight, rebuild in the background.
-        Later reports of the same generation (the other ranks' pollers) are ignored."""
+        Later reports of the same generation (the other ranks' pollers) are ignored. `reason` goes to clients
+        (moeray's words), `detail` (the exception's text) to the log only."""
         with self._lock:
             if gen != self._gen or self._closed:
                 return
@@ -222,7 +224,7 @@ class Router:
             self._channels.close()  # the old generation's channels take no more control frames
             self._recovering = reason
             self._recovering_since = t0 = time.monotonic()
-        log.error("%s: failing in-flight requests and rebuilding the EP group", reason)
+        log.error("%s: failing in-flight requests and rebuilding the EP group (%s)", reason, detail or reason)
         n = self._fail_rank(None, f"{reason}; the EP group is being rebuilt, retry the request")
         threading.Thread(target=self._rebuild, args=(reason, n, t0), daemon=True, name="ep-rebuild").start()
 

@@ -190,15 +190,15 @@ class MoEModel:
         rows, handle = self.dispatcher.dispatch(l, x_TD, topk_ids, may_pad=may_pad,
                                                 step_max_tokens=ctx.step_max_tokens)
         y_RD = rows.run(self.experts[l], topk_w)  # this rank's experts, on the rows every rank sent them
-        out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
-        if self.cfg.has_shared_expert:
+        shared = g = None
+        if self.cfg.has_shared_expert:  # before `combine`: computed while the other ranks' results travel
             sg, su = y[:, E:-1].chunk(2, dim=-1)
             shared = linear(F.silu(sg) * su, w[p + "shared_down"])
             g = torch.sigmoid(y[:, -1:])
             if shared_scale is not None:
                 g = g * shared_scale[:, None].to(g.dtype)
-            out = torch.addcmul(out, g, shared)
-        return out
+        out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
+        return out if shared is None else torch.addcmul(out, g, shared)
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,

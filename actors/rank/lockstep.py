@@ -99,7 +99,9 @@ class LockstepLoop:
         except Exception as e:  # noqa: BLE001 - a dead peer or a bug: fail in-flight requests loudly
             self._failed = f"rank {self.rank}: {type(e).__name__}: {e}"
             traceback.print_exc()
-            self.channel.push(self.engine.fail_all(self._failed))  # sent by the next tick, after `failed`
+            # the requests' own error (what clients see) names the rank and the kind, not the exception's text
+            self.channel.push(self.engine.fail_all(
+                f"rank {self.rank} failed during a step ({type(e).__name__}); retry the request"))
             self.channel.tick(heartbeat=False)  # the `failed` frame, then the error outputs
             with self._pl_cond:
                 self._pl_cond.notify_all()
