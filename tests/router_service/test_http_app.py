@@ -288,7 +288,7 @@ def test_overload_503_at_once(client, llm):
     finally:
         router.max_queue = old
     assert_served(client)
-    assert 'moeray_rejections_total{reason="overloaded"}' in client.get("/metrics").text
+    assert 'moeray_rejections_total{frontend="http",reason="overloaded"}' in client.get("/metrics").text
 
 
 def test_rank_failure_mid_stream(client, llm):
