@@ -106,8 +106,8 @@ def parse_metrics(text: str) -> Snapshot:
                 snap.layers.setdefault(int(s.labels["layer"]), {})[name] = s.value
             elif name in CLUSTER_GAUGES:
                 snap.cluster[name] = s.value
-            elif name == "generated_tokens_total":
-                snap.generated_tokens = s.value
+            elif name == "generated_tokens_total":  # one sample per front door
+                snap.generated_tokens = (0.0 if math.isnan(snap.generated_tokens) else snap.generated_tokens) + s.value
             else:
                 for _, h in HISTOGRAMS:
                     if name == h + "_bucket":

@@ -10,6 +10,14 @@ class InvalidRequestError(ValueError):
         self.field = field
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404 `model_not_found`, as OpenAI; gRPC
+    INVALID_ARGUMENT)."""
+
+    def __init__(self, model: str, served: str):
+        super().__init__("model", f"model={model!r} is not served; available: [{served!r}]")
+
+
 class OverloadedError(RuntimeError):
     """The queue limit is reached; retry later (HTTP 503 / gRPC RESOURCE_EXHAUSTED)."""
 

@@ -1,8 +1,14 @@
 """Prometheus metrics of the serving front door (prometheus_client, one registry per app, prefix `moeray_`).
 
 Two kinds of families live in one `CollectorRegistry`:
-  - request-side, updated as requests pass (`Metrics.observer`): HTTP requests, rejections, prompt and
-    generated tokens, and the latency histograms
+  - request-side, updated as requests pass, each counter labelled by the front door (`frontend`: "http" or
+    "grpc", so one /metrics covers both protocols):
+      moeray_requests_total{frontend,endpoint,code}   HTTP: path and status code; gRPC: `Generate` and the status
+                                                      the call ended with (OK, INVALID_ARGUMENT, CANCELLED, ...)
+      moeray_rejections_total{frontend,reason}        refused before generation (invalid, model_not_found,
+                                                      unauthorized, overloaded, unavailable)
+      moeray_prompt_tokens_total{frontend}, moeray_generated_tokens_total{frontend}
+    and the latency histograms (`Metrics.observer`, both front doors together)
       moeray_time_to_first_token_seconds   submit -> first token of a request
       moeray_inter_token_latency_seconds   gap between consecutive tokens of a request (an output carrying
                                            k tokens after a gap g counts k gaps of g / k)
@@ -40,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 PREFIX = "moeray_"
+FRONTENDS = ("http", "grpc")  # the `frontend` label of the request counters
 # seconds; TTFT includes prefill of up to a context window, ITL is one decode step (ms on GPU, ~10 ms on CPU)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -153,15 +160,19 @@ class ClusterCollector:
 
 
 class RequestObserver:
-    """Times the outputs of one group of request streams (one HTTP request) into `Metrics`' histograms.
+    """Times the outputs of one group of request streams (one HTTP request) into `Metrics`' histograms and
+    counts their tokens under `frontend`.
 
     Args:
         metrics: the app's Metrics. t0: per stream, its submit time (`time.perf_counter()` seconds).
+        frontend: "http" or "grpc".
     """
 
-    def __init__(self, metrics: "Metrics", t0: list[float], clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, metrics: "Metrics", t0: list[float], clock: Callable[[], float] = time.perf_counter,
+                 frontend: str = "http"):
         self.m, self.t0, self.clock = metrics, list(t0), clock
         self.last: list[float | None] = [None] * len(t0)
+        self.generated = metrics.generated_tokens.labels(frontend)
 
     def observe(self, i: int, token_ids, finish_reason: str | None) -> None:
         """One output of stream i: `token_ids` new tokens, `finish_reason` None until its last output."""
@@ -175,7 +186,7 @@ class RequestObserver:
                 for _ in range(k):
                     self.m.itl.observe(gap)
             self.last[i] = now
-            self.m.generated_tokens.inc(k)
+            self.generated.inc(k)
         if finish_reason is not None and finish_reason != "error":
             self.m.e2e.observe(now - self.t0[i])
 
@@ -184,17 +195,24 @@ class Metrics:
     """Prometheus metrics of one app, in its own registry (so several apps can live in one process).
 
     `refresh(stats)` takes a `Router.stats()` snapshot (cluster families, see the module docstring);
-    `observer(t0s)` times one request's streams. `router` (optional): its live `in_flight` is exported.
+    `observer(t0s, frontend)` times one request's streams. `router` (optional): its live `in_flight` is exported.
+    The request counters take the front door as their first label: `requests.labels(frontend, endpoint, code)`,
+    `rejections.labels(frontend, reason)`, `prompt_tokens.labels(frontend)`, `generated_tokens.labels(frontend)`.
     """
 
     def __init__(self, router=None):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter(PREFIX + "http_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "code"], registry=r)
-        self.rejections = Counter(PREFIX + "rejections", "requests refused before generation, by reason",
-                                  ["reason"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of admitted requests", registry=r)
-        self.generated_tokens = Counter(PREFIX + "generated_tokens", "tokens generated", registry=r)
+        self.requests = Counter(PREFIX + "requests", "requests by front door, endpoint and status code",
+                                ["frontend", "endpoint", "code"], registry=r)
+        self.rejections = Counter(PREFIX + "rejections", "requests refused before generation, by front door and "
+                                  "reason", ["frontend", "reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens of admitted requests, by front door",
+                                     ["frontend"], registry=r)
+        self.generated_tokens = Counter(PREFIX + "generated_tokens", "tokens generated, by front door", ["frontend"],
+                                        registry=r)
+        for frontend in FRONTENDS:  # both series exist (at 0) from the start
+            self.prompt_tokens.labels(frontend)
+            self.generated_tokens.labels(frontend)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "time to first token (s)", registry=r,
                               buckets=TTFT_BUCKETS)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between consecutive tokens of a "
@@ -208,5 +226,5 @@ class Metrics:
         """Take a cluster stats snapshot (`Router.stats()`: `cluster.metrics.aggregate_stats` + in_flight)."""
         self.cluster.update(stats)
 
-    def observer(self, t0: list[float]) -> RequestObserver:
-        return RequestObserver(self, t0)
+    def observer(self, t0: list[float], frontend: str = "http") -> RequestObserver:
+        return RequestObserver(self, t0, frontend=frontend)

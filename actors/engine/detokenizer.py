@@ -72,9 +72,10 @@ def _build_table(tokenizer: Tokenizer) -> list[bytes] | None:
 def take_token(seq, tok: int, eos: set[int], max_model_len: int) -> tuple[list[int], str, str | None]:
     """Apply one sampled token to `seq` (an `actors.engine.scheduler.Sequence`): the per-sequence rules of a step.
 
-    EOS (unless `params.ignore_eos`) ends it with "stop" and is not emitted; otherwise the token joins
-    `output_ids` and its detokenizer, and a stop string or a `stop_token_ids` id ends it with "stop", reaching
-    `max_tokens` or `max_model_len` with "length". At the end, the text held back is released (`flush`).
+    EOS (unless `params.ignore_eos`) ends it with "stop" and is not emitted; a `stop_token_ids` id ends it
+    with "stop" and is emitted (it joins `output_ids`) without its text (vLLM's `include_stop_str_in_output=False`
+    default); otherwise the token joins `output_ids` and its detokenizer, and a stop string ends it with "stop",
+    reaching `max_tokens` or `max_model_len` with "length". At the end, the text held back is released (`flush`).
 
     Returns:
         (token ids to emit, text delta, finish reason or None).
@@ -83,8 +84,10 @@ def take_token(seq, tok: int, eos: set[int], max_model_len: int) -> tuple[list[i
     if tok in eos and not p.ignore_eos:
         return [], ("" if detok.stopped else detok.flush()), "stop"
     seq.output_ids.append(tok)
+    if p.stop_token_ids and tok in p.stop_token_ids:
+        return [tok], detok.flush(), "stop"
     text, stopped = detok.add(tok)
-    if stopped or (p.stop_token_ids and tok in p.stop_token_ids):
+    if stopped:
         reason = "stop"
     elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= max_model_len:
         reason = "length"

@@ -60,7 +60,7 @@ class SamplingParams:
     as in vLLM); otherwise in (0, 100]. top_k: 0 or -1 disables, else >= 1.
     top_p: in (0, 1]. max_tokens: >= 1 output tokens. seed: per-request RNG seed (None: random).
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
-    it (included in token_ids only if they are not EOS). ignore_eos: keep going past EOS (benchmarks).
+    it (included in token_ids only if they are not EOS; their text never is). ignore_eos: keep going past EOS (benchmarks).
     gating: this request's gating policy (`actors.moe.gating.POLICIES`), None = the deployment's.
     kv_profile: this request's KV quantization profile (a calibrated profile name such as "prose" or "code", or
     "auto": chosen from the prompt text by `actors.kv.profile_choice.choose_profile`); None = the deployment's

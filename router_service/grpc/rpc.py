@@ -32,7 +32,7 @@ import grpc
 
 from actors.engine.messages import TokenOutput
 from actors.engine.sampling import SamplingParams
-from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.router import Router
 from router_service.stream import RequestStream
@@ -110,9 +110,10 @@ class GenerateCall:
     the rank lets go of it. `close()` (idempotent, thread-safe) aborts the request unless it already
     finished; transports call it when the call ends for any reason (cancel, disconnect, deadline, error)."""
 
-    def __init__(self, router: Router, stream: RequestStream, timer=None):
+    def __init__(self, router: Router, stream: RequestStream, timer=None, metrics=None):
         self.router, self.stream = router, stream
         self.timer = timer  # a router_service.metrics.RequestObserver (TTFT / ITL / e2e), or None
+        self.metrics = metrics  # a router_service.metrics.Metrics: the call's end status is counted, or None
         self.request_id = stream.request_id
         self.completion = 0  # tokens streamed so far
         self._finished = threading.Event()
@@ -131,12 +132,14 @@ class GenerateCall:
             self.timer.observe(0, o.token_ids, o.finish_reason)
         if o.finish_reason == "error":
             self._finished.set()  # the router already ended it on every rank
+            self._count("UNAVAILABLE")
             raise RpcError(grpc.StatusCode.UNAVAILABLE, o.error or "the rank failed")
         self.completion += len(o.token_ids)
         resp = pb.GenerateResponse(request_id=self.request_id, text=o.text, token_ids=o.token_ids,
                                    finish_reason=FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
         if o.finish_reason is not None:
             self._finished.set()
+            self._count("CANCELLED" if o.finish_reason == "abort" else "OK")
             p = self.stream.out.prompt_tokens
             resp.usage.CopyFrom(pb.Usage(prompt_tokens=p, completion_tokens=self.completion,
                                          total_tokens=p + self.completion))
@@ -145,7 +148,12 @@ class GenerateCall:
     def close(self) -> None:
         if not self._finished.is_set():
             self._finished.set()
+            self._count("CANCELLED")  # ended early: cancel, disconnect or deadline
             self.router.abort(self.request_id)
+
+    def _count(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels("grpc", "Generate", code).inc()
 
 
 class MoerayRpc:
@@ -156,8 +164,9 @@ class MoerayRpc:
     Args:
         router: a running router. model_name: public model id (default: model folder name).
         api_key: if set, every call except `Health` must present it (see `presented_key`).
-        metrics: a `router_service.metrics.Metrics` whose latency histograms and token counter Generate calls
-            feed (the HTTP app's, so one /metrics covers both protocols), or None.
+        metrics: a `router_service.metrics.Metrics` whose latency histograms and `frontend="grpc"` counters
+            (Generate calls by end status, rejections, prompt and generated tokens) Generate calls feed (the HTTP
+            app's, so one /metrics covers both protocols), or None.
     """
 
     def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None, metrics=None):
@@ -169,21 +178,42 @@ class MoerayRpc:
     def authorize(self, metadata: Iterable[tuple[str, str]]) -> None:
         """Raises RpcError(UNAUTHENTICATED) unless the metadata carries the API key (when one is set)."""
         if self.api_key and not api_key_ok(self.api_key, presented_key(metadata)):
+            if self.metrics is not None:
+                self.metrics.rejections.labels("grpc", "unauthorized").inc()
             raise RpcError(grpc.StatusCode.UNAUTHENTICATED,
                            "missing or wrong API key (metadata authorization: Bearer <key>)")
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            raise InvalidRequestError("model", f"model={model!r} is not served; available: [{self.model_name!r}]")
+            raise ModelNotFoundError(model, self.model_name)
 
-    def start(self, request: pb.GenerateRequest) -> GenerateCall:
-        """Validate and submit one Generate request.
+    def start(self, request: pb.GenerateRequest, metadata: Iterable[tuple[str, str]] | None = None,
+              timed: bool = True) -> GenerateCall:
+        """Authorize (when `metadata` is given), validate and submit one Generate request, counted in `metrics`
+        (`frontend="grpc"`). `timed=False`: the caller times the outputs itself (the Serve deployment, through
+        `OpenAIServer.outputs`).
 
         Raises:
-            RpcError: INVALID_ARGUMENT (details start with the field: `max_tokens: max_tokens=5000 exceeds
-                the context window ...`), RESOURCE_EXHAUSTED (queue limit), UNAVAILABLE (a rank failed or
-                the EP group is being rebuilt; retriable).
+            RpcError: UNAUTHENTICATED (see `authorize`), INVALID_ARGUMENT (details start with the field:
+                `max_tokens: max_tokens=5000 exceeds the context window ...`), RESOURCE_EXHAUSTED (queue limit),
+                UNAVAILABLE (a rank failed or the EP group is being rebuilt; retriable).
         """
+        try:
+            if metadata is not None:
+                self.authorize(metadata)
+            stream = self._submit(request)
+        except RpcError as e:
+            if self.metrics is not None:
+                self.metrics.requests.labels("grpc", "Generate", e.code.name).inc()
+            raise
+        m = self.metrics
+        if m is not None:
+            m.prompt_tokens.labels("grpc").inc(stream.out.prompt_tokens)
+        timer = m.observer([stream.t0], "grpc") if m is not None and timed else None
+        return GenerateCall(self.router, stream, timer, m)
+
+    def _submit(self, request: pb.GenerateRequest) -> RequestStream:
+        reason = None
         try:
             self._check_model(request.model)
             kind = request.WhichOneof("prompt")
@@ -191,15 +221,19 @@ class MoerayRpc:
                 raise InvalidRequestError("prompt", "prompt is missing: set text or token_ids")
             prompt = request.text if kind == "text" else list(request.token_ids.ids)
             params = params_from_proto(request.sampling)
-            stream = self.router.submit(prompt, params, request.request_id or uuid.uuid4().hex)
+            return self.router.submit(prompt, params, request.request_id or uuid.uuid4().hex)
         except InvalidRequestError as e:
+            reason = "model_not_found" if isinstance(e, ModelNotFoundError) else "invalid"
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from e
         except OverloadedError as e:
+            reason = "overloaded"
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
         except EngineError as e:
+            reason = "unavailable"
             raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
-        timer = self.metrics.observer([stream.t0]) if self.metrics is not None else None
-        return GenerateCall(self.router, stream, timer)
+        finally:
+            if reason is not None and self.metrics is not None:
+                self.metrics.rejections.labels("grpc", reason).inc()
 
     def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
         """Abort `request.request_id` if it is in flight on this router. Raises RpcError(INVALID_ARGUMENT)

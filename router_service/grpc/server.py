@@ -55,8 +55,7 @@ class MoerayServicer(pb_grpc.MoerayServicer):
             context.abort(e.code, e.details)  # raises
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        self._call(context, self.rpc.authorize, context.invocation_metadata())
-        call: GenerateCall = self._call(context, self.rpc.start, request)
+        call: GenerateCall = self._call(context, self.rpc.start, request, context.invocation_metadata())
         # runs when the call ends for any reason, also normal completion (then close() does nothing)
         if not context.add_callback(call.close):  # the call already ended while we submitted
             call.close()

@@ -4,9 +4,9 @@ responses and the error shape.
 Routes (see `router_service.http.models` for the request fields and their limits):
   POST /v1/completions, POST /v1/chat/completions  JSON, or SSE with `"stream": true` (the last event
       before `data: [DONE]` carries `usage`, `choices: []`, when `stream_options.include_usage` is true)
-  GET /v1/models, GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
+  GET /v1/models, GET /v1/models/{id} (the model card, or 404 `model_not_found`), GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
 Status codes: 400 bad input (`error.param` names the field, `error.message` the value and the limit),
-401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
+404 a model not served (`error.code` = `model_not_found`, as OpenAI), 401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
 limit reached (at once, with `Retry-After`) or a rank failed. A client that disconnects mid-stream
 aborts its requests on their ranks (KV blocks freed).
 
@@ -29,14 +29,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router_service.chat_template import ChatTemplate
-from router_service.errors import InvalidRequestError
+from router_service.errors import InvalidRequestError, ModelNotFoundError
 from router_service.grpc.rpc import api_key_ok, params_error_field
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
-from router_service.http.serving import OpenAIServer, _Reject, error_response
+from router_service.http.serving import OpenAIServer, _Reject, error_response, model_not_found
 from router_service.router import Router
 from router_service.stream import RequestStream
 
 log = logging.getLogger("moeray.http")
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|none|nullable|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*)")
 
 
 def _validation_message(err: dict) -> tuple[str, str]:
@@ -46,8 +47,8 @@ def _validation_message(err: dict) -> tuple[str, str]:
         return "body", f"body: invalid JSON ({err.get('ctx', {}).get('error', 'decode error')} at byte " \
                        f"{err.get('loc', ('', '?'))[-1]})"
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    # union members show up in loc (`str`, `list[int]`); keep the field path only
-    loc = [p for p in loc if not (p.startswith(("str", "list[", "int", "float", "bool", "function-")))]
+    # union members show up in loc (`str`, `list[int]`, `ContentPart`); keep the field path only (`stream` stays)
+    loc = [p for p in loc if not _UNION_MEMBER.fullmatch(p)]
     msg = err.get("msg", "invalid")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -74,8 +75,8 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         field, msg = _validation_message(errs[0]) if errs else ("body", "invalid request body")
-        m.rejections.labels("invalid").inc()
-        m.requests.labels(request.url.path, "400").inc()
+        m.rejections.labels("http", "invalid").inc()
+        m.requests.labels("http", request.url.path, "400").inc()
         return error_response(400, msg, field)
 
     def require_key(request: Request) -> None:
@@ -89,14 +90,14 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
 
     @app.exception_handler(_Reject)
     async def _rejected(request: Request, exc: _Reject):
-        m.rejections.labels(exc.reason).inc()
-        m.requests.labels(request.url.path, str(exc.response.status_code)).inc()
+        m.rejections.labels("http", exc.reason).inc()
+        m.requests.labels("http", request.url.path, str(exc.response.status_code)).inc()
         return exc.response
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid_request(request: Request, exc: InvalidRequestError):
-        m.rejections.labels("invalid").inc()
-        m.requests.labels(request.url.path, "400").inc()
+        m.rejections.labels("http", "invalid").inc()
+        m.requests.labels("http", request.url.path, "400").inc()
         return error_response(400, str(exc), exc.field)
 
     @app.get("/health")
@@ -112,25 +113,31 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
             log.warning("stats for /metrics failed: %s", e)
         return PlainTextResponse(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> dict:
+        return ModelCard(id=srv.model_name, created=srv.created, max_model_len=router.cfg.max_model_len).model_dump()
+
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def models():
-        card = ModelCard(id=srv.model_name, created=srv.created, max_model_len=router.cfg.max_model_len)
-        return {"object": "list", "data": [card.model_dump()]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(require_key)])
+    async def model(model_id: str):
+        if model_id != srv.model_name:
+            raise _Reject(model_not_found(ModelNotFoundError(model_id, srv.model_name)), "model_not_found")
+        return card()
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(req: CompletionRequest, request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = await srv.submit(lambda: srv.completion_jobs(req, rid))
-        for s in streams:
-            m.prompt_tokens.inc(s.out.prompt_tokens)
+        m.prompt_tokens.labels("http").inc(sum(s.out.prompt_tokens for s in streams))
         return await _respond(req, streams, rid, "text_completion", request.url.path)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await srv.submit(lambda: srv.chat_jobs(req, rid))
-        for s in streams:
-            m.prompt_tokens.inc(s.out.prompt_tokens)
+        m.prompt_tokens.labels("http").inc(sum(s.out.prompt_tokens for s in streams))
         return await _respond(req, streams, rid, "chat.completion", request.url.path)
 
     async def _respond(req: SamplingFields, streams: list[RequestStream], rid: str, obj: str, path: str):
@@ -143,7 +150,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
             async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
                 async for i, o in outs:
                     if o.finish_reason == "error":
-                        m.requests.labels(path, "503").inc()
+                        m.requests.labels("http", path, "503").inc()
                         return error_response(503, o.error or "a rank failed", None, "engine_unavailable",
                                               {"Retry-After": "1"})
                     texts[i] += o.text
@@ -153,7 +160,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                          "finish_reason": reasons[i]} if chat else
                         {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
                        for i in range(len(streams))]
-            m.requests.labels(path, "200").inc()
+            m.requests.labels("http", path, "200").inc()
             return {**base, "object": obj, "choices": choices, "usage": srv.usage(streams, completion, req.n)}
 
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -206,7 +213,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                 yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion, req.n)})
             yield "data: [DONE]\n\n"
 
-        m.requests.labels(path, "200").inc()
+        m.requests.labels("http", path, "200").inc()
         return StreamingResponse(sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 

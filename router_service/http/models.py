@@ -2,24 +2,37 @@
 
 Every sampling field is validated here, at the edge; a violation becomes HTTP 400 whose message names
 the field, the value and the limit (see `router_service.http.app`). Checks that need the tokenizer
-(prompt + max_tokens over the context window) or the served model (unknown `model`) are made by the
-app and the router, with the same kind of message.
+(prompt + max_tokens over the context window) or the served model (unknown `model`: 404 `model_not_found`)
+are made by the app and the router, with the same kind of message. A JSON `null` for an optional field means
+its default, as in OpenAI's API (the SDKs and many gateways send nulls).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.engine.sampling import MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
 from actors.moe.gating import POLICIES
 
-MAX_N = 8  # completions per prompt at most (`n`)
-MAX_PROMPTS = 16  # prompts in one /v1/completions call at most
+MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
+MAX_PROMPTS = 256  # prompts in one /v1/completions call at most
 MAX_SEED = 2**63
+PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-class StreamOptions(BaseModel):
+class NullIsDefault(BaseModel):
+    """A request model in which a JSON `null` for a field means the field's default (OpenAI's API)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.model_fields)}
+        return data
+
+
+class StreamOptions(NullIsDefault):
     """`include_usage` (default false, as in OpenAI and vLLM): the last SSE event before `[DONE]` carries
     `usage` with `choices: []`. Off by default because clients that read `chunk.choices[0]` of every chunk
     fail on that event."""
@@ -27,7 +40,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(NullIsDefault):
     """Fields shared by completions and chat completions (OpenAI names; vLLM-style extensions
     `top_k`, `ignore_eos`, `stop_token_ids`; moeray's `gating`: this request's gating policy, and `kv_profile`:
     its KV quantization profile). Unknown fields are ignored, as OpenAI clients send many."""
@@ -39,7 +52,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass, in (0, 1]")
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    n: int = Field(1, ge=1, le=MAX_N, description=f"choices per prompt, at most {MAX_N}")
+    n: int = Field(1, description=f"choices per prompt, 1 to {MAX_N}")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} non-empty strings")
@@ -61,6 +74,13 @@ class SamplingFields(BaseModel):
         if v:
             raise ValueError(f"logprobs={v!r} is not supported (only null, false or 0)")
         return None
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n={v} is out of range: 1 to {MAX_N} choices per prompt (moeray's limit)")
+        return v
 
     @field_validator("gating")
     @classmethod
@@ -99,44 +119,68 @@ class SamplingFields(BaseModel):
                               ignore_eos=self.ignore_eos, gating=self.gating, kv_profile=self.kv_profile)
 
 
-class CompletionRequest(SamplingFields):
-    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of strings (a batch);
-    `max_tokens` defaults to 16 as in OpenAI's API."""
+def _token_ids(v: list, what: str) -> list[int]:
+    """`v` as token ids (ints >= 0; bools and floats refused). Raises ValueError naming `what`."""
+    if not v:
+        raise ValueError(f"prompt: {what} is empty (no token ids)")
+    bad = next((t for t in v if type(t) is not int or t < 0), None)
+    if bad is not None:
+        raise ValueError(f"prompt: {what} holds {bad!r}; token ids are integers >= 0 ({PROMPT_FORMS})")
+    return list(v)
 
-    prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or a batch of texts")
+
+def parse_prompt(v: Any) -> list[str | list[int]]:
+    """OpenAI's `prompt` forms -> the batch of prompts: "text" -> ["text"], [1, 2] -> [[1, 2]], ["a", "b"] and
+    [[1], [2, 3]] as they are. Raises ValueError (message starting `prompt`) for an empty string or list, an empty
+    element, other element types, mixed forms, or more than MAX_PROMPTS prompts."""
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("prompt is empty")
+        return [v]
+    if not isinstance(v, list):
+        raise ValueError(f"prompt must be {PROMPT_FORMS}; got {type(v).__name__}")
+    if not v:
+        raise ValueError("prompt is empty (an empty list)")
+    if all(type(t) is int for t in v):
+        return [_token_ids(v, "the token-id list")]
+    if len(v) > MAX_PROMPTS:
+        raise ValueError(f"prompt has {len(v)} prompts; at most {MAX_PROMPTS} in one request")
+    if all(isinstance(p, str) for p in v):
+        if not all(v):
+            raise ValueError(f"prompt: text {v.index('')} of the batch is empty")
+        return list(v)
+    if all(isinstance(p, list) for p in v):
+        return [_token_ids(p, f"token-id list {i} of the batch") for i, p in enumerate(v)]
+    kinds = sorted({type(p).__name__ for p in v})
+    raise ValueError(f"prompt must be {PROMPT_FORMS} (one form, not mixed); got a list of {', '.join(kinds)}")
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, a list of strings or a list of token-id
+    lists (a batch: choice `i * n + j` is the j-th of prompt i, as OpenAI orders them); `max_tokens` defaults to
+    16 as in OpenAI's API."""
+
+    prompt: Any = Field(..., description=PROMPT_FORMS)
     echo: Literal[False] = Field(False, description="not supported")
     suffix: None = Field(None, description="not supported")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="only equal to n (or unset)")
+    best_of: int | None = Field(None, description=f"only equal to n (or unset), so at most {MAX_N}")
 
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("prompt is empty")
-        elif not v:
-            raise ValueError("prompt is empty (no tokens / no texts)")
-        elif isinstance(v[0], str):
-            if len(v) > MAX_PROMPTS:
-                raise ValueError(f"prompt has {len(v)} texts; at most {MAX_PROMPTS}")
-            if any(not s for s in v):
-                raise ValueError("prompt contains an empty text")
-        elif any(t < 0 for t in v):
-            raise ValueError("prompt token ids must be >= 0")
+        parse_prompt(v)
         return v
 
     @model_validator(mode="after")
     def _best_of(self):
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of={self.best_of} must equal n={self.n} (best_of > n is not supported)")
+            raise ValueError(f"best_of={self.best_of} must equal n={self.n}: best_of > n (server-side best-of "
+                             f"sampling) is not supported; n is at most {MAX_N}")
         return self
 
     def prompts(self) -> list[str | list[int]]:
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if isinstance(self.prompt[0], str):
-            return list(self.prompt)
-        return [list(self.prompt)]
+        """The batch of prompts (see `parse_prompt`)."""
+        return parse_prompt(self.prompt)
 
 
 class ContentPart(BaseModel):
@@ -144,7 +188,7 @@ class ContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(NullIsDefault):
     """One chat turn; `content` is text or a list of text parts (joined). Images are not supported."""
 
     model_config = ConfigDict(extra="ignore")
@@ -162,8 +206,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions. `max_tokens` (or `max_completion_tokens`) defaults to the rest of the
-    context window after the templated prompt."""
+    """POST /v1/chat/completions. `max_completion_tokens` (OpenAI's name) or the deprecated `max_tokens`; when
+    both are given `max_completion_tokens` wins, as in vLLM. Unset: the rest of the context window after the
+    templated prompt."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -172,9 +217,16 @@ class ChatCompletionRequest(SamplingFields):
     def _messages(self):
         if not any(m.text() for m in self.messages):
             raise ValueError("messages: every message is empty")
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field the output length comes from (named in errors)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class Usage(BaseModel):

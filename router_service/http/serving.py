@@ -2,8 +2,8 @@
 prompt building (chat template), all-or-nothing submission, the merged output stream of a request's
 choices, and `usage`. The FastAPI routes over it are in `router_service.http.app`.
 
-Errors: router refusals become `_Reject` carrying the HTTP response (400 bad input, 503 queue limit with
-`Retry-After`, 503 a rank failed); the app's exception handler returns it and counts the rejection.
+Errors: router refusals become `_Reject` carrying the HTTP response (400 bad input, 404 `model_not_found`
+for a model not served, 503 queue limit with `Retry-After`, 503 a rank failed); the app's exception handler returns it and counts the rejection.
 Leaving `outputs` early (also cancellation: the client went away) aborts every unfinished request on its
 rank (KV blocks freed).
 
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from actors.engine.messages import TokenOutput
 from router_service.chat_template import ChatTemplate, load_chat_template
-from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError
 from router_service.grpc.rpc import served_model_name
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router_service.metrics import Metrics
@@ -33,9 +33,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def error_response(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+                   headers: dict | None = None, code: str | int | None = None) -> JSONResponse:
+    """OpenAI's error body `{"error": {message, type, param, code}}`; `code` defaults to the status."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+                                   "code": status if code is None else code}}, status_code=status, headers=headers)
+
+
+def model_not_found(e: ModelNotFoundError) -> JSONResponse:
+    return error_response(404, str(e), "model", code="model_not_found")
 
 
 class _Reject(Exception):
@@ -60,7 +65,7 @@ class OpenAIServer:
     # -------------------------------------------------------------- admission
     def _check_model(self, req: SamplingFields) -> None:
         if req.model is not None and req.model != self.model_name:
-            raise InvalidRequestError("model", f"model={req.model!r} is not served; available: [{self.model_name!r}]")
+            raise ModelNotFoundError(req.model, self.model_name)
 
     def _submit_all(self, jobs: list[tuple]) -> list[RequestStream]:
         """Submit (prompt, params, request_id) jobs; all or nothing (a refusal aborts those submitted)."""
@@ -81,6 +86,8 @@ class OpenAIServer:
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 None, lambda: self._submit_all(make_jobs()))
+        except ModelNotFoundError as e:
+            raise _Reject(model_not_found(e), "model_not_found") from e
         except InvalidRequestError as e:
             raise _Reject(error_response(400, str(e), e.field), "invalid") from e
         except OverloadedError as e:
@@ -106,8 +113,12 @@ class OpenAIServer:
                                           for m in req.messages])
         ids = self.router.encode(text, "messages")
         L = self.router.cfg.max_model_len
-        if req.max_tokens is not None:
-            max_tokens = req.max_tokens
+        if req.output_limit is not None:
+            max_tokens = req.output_limit
+            if len(ids) < L and len(ids) + max_tokens > L:  # named by the field it came from
+                f = req.max_tokens_field
+                raise InvalidRequestError(f, f"{f}={max_tokens} exceeds the context window ({L} - {len(ids)} "
+                                             f"prompt tokens = {L - len(ids)})")
         elif len(ids) >= L:
             raise InvalidRequestError("messages", f"the templated prompt has {len(ids)} tokens; the context window is {L}")
         else:
@@ -115,16 +126,17 @@ class OpenAIServer:
         return [(ids, req.sampling_params(max_tokens, j), f"{rid}-{j}") for j in range(req.n)]
 
     # -------------------------------------------------------------- streaming
-    async def outputs(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, TokenOutput]]:
+    async def outputs(self, streams: list[RequestStream], frontend: str = "http") -> AsyncIterator[tuple[int, TokenOutput]]:
         """(choice index, output) of all streams as they arrive. The streams are attached to this loop's
         `LoopMailbox`: the router posts a whole rank frame per loop wake-up, no thread per stream. On exit (also
-        cancellation: the client went away) every unfinished request is aborted on its rank."""
+        cancellation: the client went away) every unfinished request is aborted on its rank. Timed and counted
+        under `frontend` ("grpc": the Serve deployment's Generate)."""
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         aq: asyncio.Queue = asyncio.Queue()
         for i, s in enumerate(streams):
             s.attach(mailbox, aq, i)
         left = len(streams)
-        timer = self.metrics.observer([s.t0 for s in streams])  # TTFT, inter-token and end-to-end latency
+        timer = self.metrics.observer([s.t0 for s in streams], frontend)  # TTFT, inter-token and end-to-end latency
         try:
             while left:
                 i, o = await aq.get()

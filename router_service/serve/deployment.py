@@ -132,7 +132,7 @@ if serve is not None:
             self.http: OpenAIServer = self.http_app.state.server
             # proxy gRPC calls are timed by `self.http.outputs` (below); the replica's own gRPC server is given
             # the same Metrics, so one /metrics covers both protocols
-            self.rpc = MoerayRpc(self.router, self.args.served_model_name, self.api_key)
+            self.rpc = MoerayRpc(self.router, self.args.served_model_name, self.api_key, metrics=self.http.metrics)
             self.grpc = None
             if self.args.grpc_port is not None:
                 from router_service.grpc.server import start_grpc_server
@@ -163,9 +163,10 @@ if serve is not None:
             """Server-streaming `Generate`: one `GenerateResponse` per output. A client that cancels,
             disconnects or passes its deadline cancels this generator (Serve raises CancelledError in it),
             and `call.close()` aborts the request on its rank."""
-            call = await self._unary(grpc_context, self.rpc.start, request)
+            call = await self._unary(grpc_context, self.rpc.start, request, grpc_context.invocation_metadata(),
+                                     False, auth=False)  # authorized and counted by start; timed by outputs
             try:
-                async with aclosing(self.http.outputs([call.stream])) as outs:  # shares the latency metrics
+                async with aclosing(self.http.outputs([call.stream], "grpc")) as outs:  # shares the latency metrics
                     async for _, o in outs:
                         try:
                             resp = call.response(o)

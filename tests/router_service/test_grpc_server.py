@@ -243,7 +243,8 @@ def test_generate_feeds_the_latency_metrics(llm):
         assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
     finally:
         srv.stop()
-    assert m.generated_tokens._value.get() == 4
+    assert m.generated_tokens.labels("grpc")._value.get() == 4 and m.generated_tokens.labels("http")._value.get() == 0
+    assert m.requests.labels("grpc", "Generate", "OK")._value.get() == 1
     assert m.ttft._sum.get() > 0 and m.e2e._sum.get() > 0
 
 

@@ -129,7 +129,7 @@ def test_request_observer_latencies():
     assert s["moeray_inter_token_latency_seconds_sum"][()] == pytest.approx(0.4)
     assert s["moeray_e2e_request_latency_seconds_count"][()] == 1
     assert s["moeray_e2e_request_latency_seconds_sum"][()] == pytest.approx(0.7)
-    assert s["moeray_generated_tokens_total"][()] == 6
+    assert s["moeray_generated_tokens_total"][(("frontend", "http"),)] == 6
 
 
 # ------------------------------------------------------------------------------------------- a real cluster
@@ -198,13 +198,16 @@ def test_metrics_after_requests(served):
     assert one["moeray_kv_blocks_used"] == 0 and one["moeray_kv_blocks_total"] == llm.router.stats()["kv_blocks_total"]
     assert one["moeray_queue_depth"] == 0 and one["moeray_sequences_running"] == 0 and one["moeray_requests_in_flight"] == 0
 
-    def d(name):
-        return after[name][()] - before.get(name, {}).get((), 0)
+    def d(name, key=()):
+        return after[name][key] - before.get(name, {}).get(key, 0)
 
     assert d("moeray_time_to_first_token_seconds_count") == 3
     assert d("moeray_e2e_request_latency_seconds_count") == 3
     assert d("moeray_inter_token_latency_seconds_count") == sum(u["completion_tokens"] - 1 for u in usages)
-    assert d("moeray_generated_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    http = (("frontend", "http"),)
+    assert d("moeray_generated_tokens_total", http) == sum(u["completion_tokens"] for u in usages)
+    assert d("moeray_prompt_tokens_total", http) == sum(u["prompt_tokens"] for u in usages)
+    assert d("moeray_requests_total", (("code", "200"), ("endpoint", "/v1/completions"), ("frontend", "http"))) == 3
     assert d("moeray_e2e_request_latency_seconds_sum") >= d("moeray_time_to_first_token_seconds_sum") > 0
 
     # thrash rate: once the ranks report it (RankEngine.stats()["routing"]), per MoE layer, in [0, 1]

@@ -116,7 +116,7 @@ def test_byte_table_path_gives_the_whole_decode_paths_deltas(tiny_model_dir, shi
 
 
 def test_take_token_rules(tiny_model_dir):
-    """EOS ends with "stop" and releases held text; a stop id ends and is emitted; max_tokens ends with "length";
+    """EOS ends with "stop" and releases held text; a stop id ends and is emitted without its text; max_tokens ends with "length";
     a stop string ends with its text excluded."""
     from actors.engine.detokenizer import take_token
     from actors.engine.scheduler import Sequence
@@ -134,7 +134,11 @@ def test_take_token_rules(tiny_model_dir):
     assert take_token(s, 0, {0}, 1000) == ([], "gamma", "stop") and s.output_ids == ids
     s = seq(stop_token_ids=[ids[1]], max_tokens=50)
     assert take_token(s, ids[0], {0}, 1000)[2] is None
-    assert take_token(s, ids[1], {0}, 1000) == ([ids[1]], tok.decode(ids[1:2]), "stop")
+    # the stop id is emitted but its text is left out (vLLM); the text held back before it is released
+    assert take_token(s, ids[1], {0}, 1000) == ([ids[1]], "", "stop") and s.output_ids == ids[:2]
+    s = seq(stop=["alpha!"], stop_token_ids=[ids[1]], max_tokens=50)
+    assert take_token(s, ids[0], {0}, 1000) == ([ids[0]], "", None)  # "alpha" held (could start "alpha!")
+    assert take_token(s, ids[1], {0}, 1000) == ([ids[1]], tok.decode(ids[:1]), "stop")
     s = seq(max_tokens=2)
     assert [take_token(s, i, {0}, 1000)[2] for i in ids[:2]] == [None, "length"]
     s = seq(max_tokens=50)

@@ -1,0 +1,307 @@
+"""What real OpenAI clients send, through the HTTP app and the gRPC server over a fake router (no Ray): batch prompts
+in every form, JSON nulls meaning the default, `max_completion_tokens`, `n` / `best_of` limits, GET /v1/models/{id}
+and 404 `model_not_found`, and the `frontend` label of the request counters. The fake router records the
+SamplingParams each choice is submitted with and answers with tokens computed from the prompt, so the expected
+choices are known exactly. The openai SDK is the client where it is installed."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client import generate_latest
+from tokenizers import Tokenizer
+
+from actors.engine.messages import TokenOutput
+from actors.engine.sampling import SamplingParams
+from router_service.chat_template import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from router_service.http.app import create_app
+from router_service.stream import RequestStream
+from tests.router_service.test_metrics import samples
+
+MODEL = "fake-moe"
+
+
+class FakeRouter:
+    """The slice of `Router` the front doors use. A request's output is `max_tokens` tokens, token k being
+    (last prompt id + 1 + k + seed) % 200 (seed 0 if unset), one output per token, the last with finish `length`."""
+
+    def __init__(self, model_dir: str):
+        self.tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+        self.cfg = SimpleNamespace(model=model_dir, max_model_len=256, ranks=1)
+        self.vocab_size, self.max_queue, self.in_flight = 320, 64, 0
+        self.submitted: list[tuple] = []  # (prompt, params, request_id)
+        self.streams: dict[str, RequestStream] = {}
+
+    def encode(self, text: str, field: str = "prompt") -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def tokens(self, prompt, params: SamplingParams) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        return [(ids[-1] + 1 + k + (params.seed or 0)) % 200 for k in range(params.max_tokens)]
+
+    def submit(self, prompt, params: SamplingParams, request_id: str) -> RequestStream:
+        self.submitted.append((prompt, params, request_id))
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        s = self.streams[request_id] = RequestStream(self, request_id, prompt, 0, len(ids), len(ids) + params.max_tokens)
+        toks = self.tokens(prompt, params)
+        for k, t in enumerate(toks):
+            s._push(TokenOutput(request_id=request_id, token_ids=[t], text=self.tokenizer.decode([t]),
+                                finish_reason="length" if k == len(toks) - 1 else None))
+        return s
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+    def get_stream(self, request_id: str):
+        return self.streams.get(request_id)
+
+    def health(self) -> dict:
+        return {"ok": True, "status": "ok", "ranks": [{"rank": 0, "ok": True}]}
+
+    def stats(self) -> dict:
+        return {"running": 0, "waiting": 0, "kv_blocks_total": 1, "kv_blocks_free": 1, "in_flight": 0}
+
+
+@pytest.fixture
+def router(tiny_moe_dir):
+    return FakeRouter(tiny_moe_dir)
+
+
+@pytest.fixture
+def client(router):
+    with TestClient(create_app(router, model_name=MODEL, chat_template=ChatTemplate(DEFAULT_CHAT_TEMPLATE))) as c:
+        yield c
+
+
+def sdk(client):
+    openai = pytest.importorskip("openai")
+    return openai, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=client, max_retries=0)
+
+
+def sse(resp) -> list:
+    return [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def expected(router: FakeRouter, prompts: list, n: int, max_tokens: int, seed: int) -> list[str]:
+    """Choice texts in OpenAI's order: choice i * n + j is the j-th of prompt i (seed offset by j)."""
+    dec = router.tokenizer.decode
+    return [dec(router.tokens(p, SamplingParams(max_tokens=max_tokens, seed=seed + j))) for p in prompts for j in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ batch prompts
+@pytest.mark.parametrize("prompt, prompts", [
+    ("To be, or not to be", ["To be, or not to be"]),
+    (["To be", "def add(a, b):", "x"], ["To be", "def add(a, b):", "x"]),
+    ([5, 6, 7], [[5, 6, 7]]),
+    ([[5, 6, 7], [9], [11, 12]], [[5, 6, 7], [9], [11, 12]]),
+])
+def test_batch_prompt_forms(client, router, prompt, prompts):
+    body = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 3, "seed": 10}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    want = expected(router, prompts, 2, 3, 10)
+    assert [c["index"] for c in d["choices"]] == list(range(len(want)))
+    assert [c["text"] for c in d["choices"]] == want
+    assert [p for p, _, _ in router.submitted] == [p for p in prompts for _ in range(2)]
+    ptoks = sum(len(router.encode(p)) if isinstance(p, str) else len(p) for p in prompts)  # each prompt once
+    assert d["usage"] == {"prompt_tokens": ptoks, "completion_tokens": 3 * len(want), "total_tokens": ptoks + 3 * len(want)}
+    # streamed: the same choices by index, and the same usage
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as resp:
+        ev = sse(resp)
+    texts = [""] * len(want)
+    for e in ev[:-1]:
+        (c,) = e["choices"]
+        texts[c["index"]] += c["text"]
+    assert texts == want and ev[-1]["choices"] == [] and ev[-1]["usage"] == d["usage"]
+
+
+@pytest.mark.parametrize("prompt, says", [
+    ("", "prompt is empty"),
+    ([], "empty list"),
+    ([[]], "token-id list 0 of the batch is empty"),
+    ([[1], []], "token-id list 1 of the batch is empty"),
+    (["a", ""], "text 1 of the batch is empty"),
+    ([1, "a"], "one form, not mixed"),
+    ([[1], "a"], "one form, not mixed"),
+    ([1.5], "a list of float"),
+    ([True], "a list of bool"),
+    ([[1, True]], "holds True"),
+    ([-1], "holds -1"),
+    ([[3, -2]], "holds -2"),
+    ([["a"]], "holds 'a'"),
+    ({"text": "a"}, "got dict"),
+    (7, "got int"),
+    (None, "Field required"),
+    (["a"] * 257, "at most 256"),
+])
+def test_bad_prompt_400_names_prompt(client, router, prompt, says):
+    r = client.post("/v1/completions", json={"prompt": prompt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and says in err["message"], err
+    assert not router.submitted
+
+
+def test_sdk_batch_of_token_lists(client, router):
+    _, oa = sdk(client)
+    prompts = [[5, 6, 7], [40, 41]]
+    out = oa.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4, seed=1)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == expected(router, prompts, 2, 4, 1)
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 16
+    chunks = list(oa.completions.create(model=MODEL, prompt=prompts, max_tokens=2, stream=True))
+    got = {}
+    for ch in chunks:
+        got[ch.choices[0].index] = got.get(ch.choices[0].index, "") + ch.choices[0].text
+    assert got == dict(enumerate(expected(router, prompts, 1, 2, 0)))
+
+
+# ------------------------------------------------------------------------------------------------ nulls
+COMMON_NULLS = ["model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
+                "stop_token_ids", "seed", "ignore_eos", "gating", "kv_profile", "presence_penalty",
+                "frequency_penalty", "logprobs", "user"]
+
+
+def test_nulls_mean_the_default_completions(client, router):
+    body = {"prompt": "hello", **{k: None for k in COMMON_NULLS + ["echo", "suffix", "best_of"]}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text  # `stream: null` is no stream: one JSON body
+    d = r.json()
+    assert d["object"] == "text_completion" and len(d["choices"]) == 1
+    ((_, params, _),) = router.submitted
+    assert params == SamplingParams(max_tokens=16)  # the defaults (16: OpenAI's max_tokens for completions)
+    r = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and "usage" not in r.text
+
+
+def test_nulls_mean_the_default_chat(client, router):
+    body = {"messages": [{"role": "user", "content": "hi", "name": None}],
+            **{k: None for k in COMMON_NULLS + ["max_completion_tokens"]}}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    ((prompt, params, _),) = router.submitted
+    assert params == SamplingParams(max_tokens=256 - len(prompt))  # the rest of the context window
+
+
+def test_stream_null_is_not_an_error_about_another_field(client):
+    r = client.post("/v1/completions", json={"prompt": "hi", "stream": None, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", json={"prompt": "hi", "stream": "yes please"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_sdk_sends_nulls(client, router):
+    _, oa = sdk(client)
+    out = oa.completions.create(model=MODEL, prompt="hi", max_tokens=None, temperature=None, top_p=None,
+                                presence_penalty=None, frequency_penalty=None, stop=None, seed=None, n=None,
+                                stream=None, logprobs=None, best_of=None, user=None)
+    assert len(out.choices) == 1
+    msg = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=None,
+                                     top_p=None, max_tokens=None, max_completion_tokens=None, n=None, stop=None,
+                                     seed=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    assert msg.choices[0].message.role == "assistant"
+    assert [p.temperature for _, p, _ in router.submitted] == [1.0, 1.0]
+    assert router.submitted[0][1] == SamplingParams(max_tokens=16)
+
+
+# ------------------------------------------------------------------------------------------------ limits
+def test_max_completion_tokens_wins(client, router):
+    msgs = [{"role": "user", "content": "hi"}]
+    for body, want in (({"max_completion_tokens": 3}, 3), ({"max_tokens": 5, "max_completion_tokens": 3}, 3),
+                       ({"max_tokens": 5}, 5)):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, **body})
+        assert r.status_code == 200, r.text
+        assert router.submitted[-1][1].max_tokens == want and r.json()["usage"]["completion_tokens"] == want
+    for field in ("max_completion_tokens", "max_tokens"):
+        r = client.post("/v1/chat/completions", json={"messages": msgs, field: 300})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == field and "context window" in err["message"], err
+
+
+@pytest.mark.parametrize("body, field, says", [
+    ({"n": 9}, "n", "1 to 8"),
+    ({"n": 0}, "n", "1 to 8"),
+    ({"n": 2, "best_of": 3}, "best_of", "must equal n=2"),
+])
+def test_n_and_best_of_state_the_limit(client, body, field, says):
+    r = client.post("/v1/completions", json={"prompt": "hi", **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field and says in err["message"], err
+
+
+# ------------------------------------------------------------------------------------------------ models
+def test_models_retrieve_and_404(client, router):
+    r = client.get(f"/v1/models/{MODEL}")
+    assert r.status_code == 200 and r.json()["id"] == MODEL and r.json()["max_model_len"] == 256
+    r = client.get("/v1/models/gpt-4o")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = client.post(path, json={**body, "model": "gpt-4o"})
+        err = r.json()["error"]
+        assert r.status_code == 404 and err["code"] == "model_not_found" and err["param"] == "model", err
+        assert "'gpt-4o' is not served" in err["message"]
+    assert not router.submitted
+
+
+def test_sdk_models_retrieve(client):
+    openai, oa = sdk(client)
+    assert oa.models.retrieve(MODEL).id == MODEL
+    assert [m.id for m in oa.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError) as ei:
+        oa.models.retrieve("nope")
+    assert ei.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        oa.completions.create(model="nope", prompt="hi")
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_request_counters_by_front_door(client, router):
+    from router_service.grpc.server import start_grpc_server
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+    from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+
+    m = client.app.state.server.metrics
+    assert client.post("/v1/completions", json={"prompt": [[5, 6, 7], [9]], "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hi", "n": 9}).status_code == 400
+    assert client.post("/v1/completions", json={"prompt": "hi", "model": "x"}).status_code == 404
+    srv = start_grpc_server(router, port=0, model_name=MODEL, api_key="k", metrics=m)
+    key = (("authorization", "Bearer k"),)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.MoerayStub(ch)
+            out = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4]),
+                                                        sampling=pb.SamplingParams(max_tokens=3)), metadata=key))
+            assert out[-1].usage.completion_tokens == 3
+            for req, md, code in ((pb.GenerateRequest(text="hi", model="x"), key, grpc.StatusCode.INVALID_ARGUMENT),
+                                  (pb.GenerateRequest(text="hi"), (), grpc.StatusCode.UNAUTHENTICATED)):
+                with pytest.raises(grpc.RpcError) as ei:
+                    list(stub.Generate(req, metadata=md))
+                assert ei.value.code() == code
+    finally:
+        srv.stop(0)
+    s = samples(generate_latest(m.registry).decode())
+
+    def v(name, **labels):
+        return s[name].get(tuple(sorted(labels.items())), 0)
+
+    assert v("moeray_requests_total", frontend="http", endpoint="/v1/completions", code="200") == 1
+    assert v("moeray_requests_total", frontend="http", endpoint="/v1/completions", code="400") == 1
+    assert v("moeray_requests_total", frontend="http", endpoint="/v1/completions", code="404") == 1
+    assert v("moeray_rejections_total", frontend="http", reason="invalid") == 1
+    assert v("moeray_rejections_total", frontend="http", reason="model_not_found") == 1
+    assert v("moeray_prompt_tokens_total", frontend="http") == 4
+    assert v("moeray_generated_tokens_total", frontend="http") == 4
+    assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="OK") == 1
+    assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="INVALID_ARGUMENT") == 1
+    assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="UNAUTHENTICATED") == 1
+    assert v("moeray_rejections_total", frontend="grpc", reason="model_not_found") == 1
+    assert v("moeray_rejections_total", frontend="grpc", reason="unauthorized") == 1
+    assert v("moeray_prompt_tokens_total", frontend="grpc") == 4
+    assert v("moeray_generated_tokens_total", frontend="grpc") == 3
