@@ -73,6 +73,12 @@ class Router:
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
                                       lambda reason, detail: self._on_rank_failure(gen, reason, detail))
 
+    @property
+    def submit_is_quick(self) -> bool:
+        """Whether `submit` returns without waiting on a rank (every rank's channel is up: a request is a frame
+        written, not a Ray call); then a front door may call it on its event loop for a small request."""
+        return self._channels.connected
+
     # ------------------------------------------------------------------ validation
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):

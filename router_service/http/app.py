@@ -126,17 +126,21 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
             raise _Reject(model_not_found(ModelNotFoundError(model_id, srv.model_name)), "model_not_found")
         return card()
 
+    def _body_bytes(request: Request) -> int | None:
+        n = request.headers.get("content-length")
+        return int(n) if n is not None and n.isdigit() else None
+
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
     async def completions(req: CompletionRequest, request: Request):
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(lambda: srv.completion_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.completion_jobs(req, rid), _body_bytes(request))
         m.prompt_tokens.labels("http").inc(sum(s.out.prompt_tokens for s in streams))
         return await _respond(req, streams, rid, "text_completion", request.url.path)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await srv.submit(lambda: srv.chat_jobs(req, rid))
+        streams = await srv.submit(lambda: srv.chat_jobs(req, rid), _body_bytes(request))
         m.prompt_tokens.labels("http").inc(sum(s.out.prompt_tokens for s in streams))
         return await _respond(req, streams, rid, "chat.completion", request.url.path)
 

@@ -34,6 +34,7 @@ class FakeRouter:
         self.vocab_size, self.max_queue, self.in_flight = 320, 64, 0
         self.submitted: list[tuple] = []  # (prompt, params, request_id)
         self.streams: dict[str, RequestStream] = {}
+        self.submit_is_quick = True  # outputs are pushed in `submit`: the small-body path runs on the loop
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -305,3 +306,30 @@ def test_request_counters_by_front_door(client, router):
     assert v("moeray_rejections_total", frontend="grpc", reason="unauthorized") == 1
     assert v("moeray_prompt_tokens_total", frontend="grpc") == 4
     assert v("moeray_generated_tokens_total", frontend="grpc") == 3
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_small_bodies_on_the_loop_and_the_rest_off_it(client, router, monkeypatch, quick):
+    """A small body is submitted on the event loop while the router's submit is quick (no rank round trip); a
+    large one, or any body while submit may wait on a rank, goes through the executor. Same answer either way."""
+    import asyncio
+
+    import router_service.http.serving as serving
+
+    on_loop, real = [], router.submit
+
+    def submit(*a, **kw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:  # an executor thread
+            on_loop.append(False)
+        return real(*a, **kw)
+
+    router.submit_is_quick = quick
+    monkeypatch.setattr(router, "submit", submit)
+    small = client.post("/v1/completions", json={"prompt": [5, 6, 5], "max_tokens": 3})
+    big = client.post("/v1/completions", json={"prompt": [6] * serving.INLINE_BODY_BYTES + [5], "max_tokens": 3})
+    assert small.status_code == big.status_code == 200
+    assert small.json()["choices"][0]["text"] == big.json()["choices"][0]["text"]  # both end in id 5
+    assert on_loop == [quick, False]
