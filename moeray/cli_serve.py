@@ -42,6 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default,
                    help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: by memory, "
                         "4096 at max_model_len 1024)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--http-via", choices=("replica", "proxy"), default="replica",
@@ -67,6 +69,8 @@ def _validate(a) -> str | None:
         return "--grpc-proxy needs Serve and a gRPC port: --http-port and --grpc-port must be > 0"
     if a.ranks is not None and a.ranks < 1:
         return f"--ranks={a.ranks} must be >= 1"
+    if a.max_body_bytes < 0:
+        return f"--max-body-bytes={a.max_body_bytes} must be >= 0"
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         return f"--model={a.model!r}: no config.json there"
     return None
@@ -190,7 +194,8 @@ def cmd_serve(a) -> int:
     args = ServeAppArgs(model=os.path.abspath(a.model), ranks=ranks, max_queue=a.max_queue, api_key=api_key,
                         grpc_port=a.grpc_port if in_replica else None, grpc_host=a.host,
                         http_port=a.http_port if direct else None, http_host=a.host,
-                        served_model_name=a.served_model_name, cluster_options=a.cluster_kw)
+                        served_model_name=a.served_model_name, max_body_bytes=a.max_body_bytes,
+                        cluster_options=a.cluster_kw)
     grpc_options = None
     if a.grpc_proxy:
         grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],

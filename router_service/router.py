@@ -282,11 +282,14 @@ class Router:
             return list(self._streams.values())
 
     def health(self) -> dict:
-        """{ok, status ("ok" | "recovering" | "unhealthy"), ranks: [{rank, ok, error}], recoveries (count),
-        recovering_s (seconds since the failure, while recovering)}.
+        """{ok, status ("ok" | "recovering" | "draining" | "unhealthy"), ranks: [{rank, ok, error}], recoveries
+        (count), recovering_s (seconds since the failure, while recovering)}. Draining (after `drain`): not ok.
         While the EP group is rebuilt, `ranks` is empty and `status` is "recovering" (the replica is alive)."""
         with self._lock:
-            recovering, since = self._recovering, self._recovering_since
+            recovering, since, draining = self._recovering, self._recovering_since, self._draining
+        if draining:  # probes (HTTP /health, gRPC Health) must say so: new requests are refused from now on
+            return {"ok": False, "status": "draining", "error": "the server is shutting down", "ranks": [],
+                    "recoveries": len(self.recoveries)}
         if recovering is not None:
             return {"ok": False, "status": "recovering", "error": recovering, "ranks": [],
                     "recovering_s": time.monotonic() - since, "recoveries": len(self.recoveries)}

@@ -26,10 +26,12 @@ from contextlib import aclosing
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router_service.chat_template import ChatTemplate
 from router_service.errors import InvalidRequestError, ModelNotFoundError
+from router_service.http.body_limit import BodyLimit
 from router_service.grpc.rpc import api_key_ok, params_error_field
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
 from router_service.http.serving import OpenAIServer, _Reject, error_response, model_not_found
@@ -37,6 +39,8 @@ from router_service.router import Router
 from router_service.stream import RequestStream
 
 log = logging.getLogger("moeray.http")
+
+MAX_BODY_BYTES = 4 << 20  # request bodies above this get 413 unparsed (default of `create_app` and --max-body-bytes)
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|nullable|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*)")
 
 
@@ -64,12 +68,32 @@ def _validation_message(err: dict) -> tuple[str, str]:
 
 
 def create_app(router: Router, *, model_name: str | None = None, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None) -> FastAPI:
-    """The FastAPI app over `router` (usable with a TestClient, uvicorn, or as a Serve ingress)."""
+               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app over `router` (usable with a TestClient, uvicorn, or as a Serve ingress).
+
+    max_body_bytes: request bodies above it get 413 before they are parsed (`router_service.http.body_limit`)."""
     srv = OpenAIServer(router, model_name, api_key, chat_template)
     app = FastAPI(title="moeray", description="OpenAI-compatible API of an expert-parallel MoE cluster")
     app.state.server = srv
     m = srv.metrics
+
+    def too_large() -> JSONResponse:
+        m.rejections.labels("http", "too_large").inc()
+        return error_response(413, f"the request body exceeds the limit of {max_body_bytes} bytes "
+                                   f"(--max-body-bytes)", "body")
+
+    async def reject(scope, receive, send):
+        m.requests.labels("http", scope.get("path", ""), "413").inc()
+        await too_large()(scope, receive, send)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, reject=reject)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        m.requests.labels("http", request.url.path, str(exc.status_code)).inc()
+        if exc.status_code == 413:
+            return too_large()
+        return error_response(exc.status_code, str(exc.detail), None, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

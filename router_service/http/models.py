@@ -258,6 +258,7 @@ class ServeAppArgs(BaseModel):
     http_port: if set, the replica serves the HTTP app itself on http_host:http_port (`router_service.serve.
         listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
         answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
+    max_body_bytes: HTTP request bodies above this get 413 before they are parsed (default 4 MiB).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -273,5 +274,6 @@ class ServeAppArgs(BaseModel):
     grpc_port: int | None = Field(None, ge=0, le=65535)
     grpc_host: str = "127.0.0.1"
     http_port: int | None = Field(None, ge=0, le=65535)
+    max_body_bytes: int = Field(4 << 20, ge=0)
     http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

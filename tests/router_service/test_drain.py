@@ -39,5 +39,17 @@ def test_drain_finishes_short_ends_long_and_refuses_new(llm):
     assert out.finish_reason == "error" and "shutting down" in out.error and len(out.token_ids) < 240
     with pytest.raises(EngineError, match="shutting down"):
         router.submit("x", SamplingParams(max_tokens=2))
+    # probes see it: HTTP /health 503 and gRPC Health NOT_SERVING (they refuse Generate now)
+    h = router.health()
+    assert not h["ok"] and h["status"] == "draining"
+    from fastapi.testclient import TestClient
+
+    from router_service.grpc.rpc import MoerayRpc
+    from router_service.http.app import create_app
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+
+    with TestClient(create_app(router)) as c:
+        assert c.get("/health").status_code == 503
+    assert MoerayRpc(router).health().status == pb.HealthResponse.STATUS_NOT_SERVING
     s = wait_idle(router)
     assert s["kv_blocks_free"] == total and s["running"] == 0

@@ -333,3 +333,18 @@ def test_small_bodies_on_the_loop_and_the_rest_off_it(client, router, monkeypatc
     assert small.status_code == big.status_code == 200
     assert small.json()["choices"][0]["text"] == big.json()["choices"][0]["text"]  # both end in id 5
     assert on_loop == [quick, False]
+
+
+def test_bodies_over_the_limit_get_413_unparsed(router):
+    """A body over `max_body_bytes` gets 413 with the OpenAI error body, before any parsing or tokenizing: with a
+    Content-Length (answered unread) and chunked (refused once the count passes the limit); others go on."""
+    with TestClient(create_app(router, model_name=MODEL, max_body_bytes=1000)) as c:
+        r = c.post("/v1/completions", json={"prompt": "a" * 2000, "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "body" and "1000 bytes" in r.json()["error"]["message"]
+        chunks = (b" " * 400 for _ in range(5))  # no Content-Length: chunked
+        r = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == 413
+        assert router.submitted == []  # nothing reached the router
+        assert c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}).status_code == 200
+        metrics = c.get("/metrics").text
+    assert 'moeray_rejections_total{frontend="http",reason="too_large"} 2.0' in metrics
