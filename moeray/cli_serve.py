@@ -183,7 +183,7 @@ def cmd_serve(a) -> int:
     from ray import serve
 
     from router_service.http.models import ServeAppArgs
-    from router_service.serve.deployment import GRPC_SERVICER_FUNCTION, build_app
+    from router_service.serve.deployment import GRPC_SERVICER_FUNCTION, build_app, wait_ready
 
     init_ray(a.address or os.environ.get("RAY_ADDRESS"))
     import torch
@@ -216,6 +216,12 @@ def cmd_serve(a) -> int:
         serve.run(app, name="moeray", route_prefix="/", blocking=False)
     finally:
         logging.getLogger("ray.serve").removeFilter(quiet)
+    failed = wait_ready(serve.get_app_handle("moeray"),
+                        say=lambda m: print(f"moeray: {m} ...", file=sys.stderr, flush=True))
+    if failed is not None:
+        print(f"moeray: error: {failed}", file=sys.stderr)
+        serve.shutdown()
+        return 2
     grpc_at = f", gRPC on {'[::] (Serve proxy)' if a.grpc_proxy else a.host}:{a.grpc_port}" if a.grpc_port else ""
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
     try:

@@ -27,8 +27,10 @@ from tokenizers import Tokenizer
 from actors.engine.messages import GenerateRequest, TokenOutput
 from actors.engine.sampling import SamplingParams
 from actors.rank.output_channel import ABORT, REQUEST
+from actors.model.config import ModelConfig
+from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
-from router_service.admission import default_max_queue, max_prompt_chars
+from router_service.admission import PromptAdmission, default_max_queue
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.rank_channels import RankChannels
 from router_service.stream import RequestOutput, RequestStream
@@ -40,7 +42,11 @@ class Router:
     """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
 
     Args:
-        cluster: a running `EPCluster`. max_queue: in-flight requests (running + queued) at most before refusing
+        cluster: a running `EPCluster`, or a `ClusterConfig` to build one from in the background: the router
+            answers at once, refusing requests with a retriable `EngineError` (HTTP 503 + Retry-After) and
+            reporting `health()` status "starting" until the group is up (placement may wait for nodes; a Serve
+            replica must not hang meanwhile), retrying failed attempts; a ValueError (bad configuration) ends
+            the attempts and stays in `health()` ("failed"). max_queue: in-flight requests (running + queued) at most before refusing
             (None: `default_max_queue(max_model_len)`).
     Raises (from `submit`):
         InvalidRequestError: empty prompt, a text prompt over `max_prompt_chars` characters (refused before it is
@@ -49,13 +55,15 @@ class Router:
         OverloadedError: more than `max_queue` requests in flight.
     """
 
-    def __init__(self, cluster: EPCluster, max_queue: int | None = None):
-        self.cluster = cluster
-        self.cfg = cluster.cfg
+    def __init__(self, cluster: EPCluster | ClusterConfig, max_queue: int | None = None):
+        built = isinstance(cluster, EPCluster)
+        self.cluster: EPCluster | None = cluster if built else None
+        self.cfg = cluster.cfg if built else cluster
         self.tokenizer = Tokenizer.from_file(f"{self.cfg.model}/tokenizer.json")
-        self.vocab_size = cluster.model_config.vocab_size
+        self.vocab_size = (cluster.model_config if built else ModelConfig.from_pretrained(self.cfg.model)).vocab_size
         self.max_queue = max_queue if max_queue is not None else default_max_queue(self.cfg.max_model_len)
-        self.max_prompt_chars = max_prompt_chars(self.tokenizer, self.cfg.max_model_len)
+        self.admission = PromptAdmission(self.tokenizer, self.vocab_size, self.cfg)
+        self.max_prompt_chars = self.admission.max_prompt_chars
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
@@ -66,7 +74,15 @@ class Router:
         self._recovering_since = 0.0  # time.monotonic() when it started
         self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
         self._draining = False  # set by drain(): new requests are refused, running ones may finish
-        self._start_pollers()
+        self._channels: RankChannels | None = None
+        self._start_error: str | None = None  # a background build that cannot succeed (bad configuration)
+        if built:
+            self._start_pollers()
+        else:  # built like a rebuild (same refusals meanwhile), without failing anything
+            self._recovering = f"the EP group is being built ({self.cfg.ranks} ranks)"
+            self._recovering_since = time.monotonic()
+            threading.Thread(target=self._rebuild, args=(self._recovering, 0, self._recovering_since),
+                             daemon=True, name="ep-build").start()
 
     def _start_pollers(self) -> None:
         gen = self._gen
@@ -77,44 +93,16 @@ class Router:
     def submit_is_quick(self) -> bool:
         """Whether `submit` returns without waiting on a rank (every rank's channel is up: a request is a frame
         written, not a Ray call); then a front door may call it on its event loop for a small request."""
-        return self._channels.connected
+        return self._channels is not None and self._channels.connected
 
     # ------------------------------------------------------------------ validation
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt", "prompt is empty")
-            ids = self.encode(prompt, "prompt")
-        else:
-            ids = list(prompt)
-            bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise InvalidRequestError("prompt", f"prompt token id {bad[0]} out of range [0, {self.vocab_size})")
-        if not ids:
-            raise InvalidRequestError("prompt", "prompt is empty (0 tokens)")
-        L = self.cfg.max_model_len
-        if len(ids) >= L:
-            raise InvalidRequestError("prompt", f"prompt has {len(ids)} tokens; the context window is {L}")
-        if len(ids) + params.max_tokens > L:
-            raise InvalidRequestError("max_tokens", f"max_tokens={params.max_tokens} exceeds the context window "
-                                                    f"({L} - {len(ids)} prompt tokens = {L - len(ids)})")
-        try:  # against the KV profiles the ranks loaded (same model folder and engine options; cached)
-            params.check_kv_profile(self.cfg.model, self.cfg.engine_options)
-        except ValueError as e:
-            raise InvalidRequestError("kv_profile", str(e)) from e
-        return ids
+        """The prompt's token ids, checked against the context window (`PromptAdmission.validate`)."""
+        return self.admission.validate(prompt, params)
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:
-        """Token ids of `text`, refused untokenized when it has more than `max_prompt_chars` characters.
-
-        Raises:
-            InvalidRequestError: naming `field`, the length and the limit.
-        """
-        if len(text) > self.max_prompt_chars:
-            raise InvalidRequestError(field, f"{field} has {len(text)} characters; the context window is "
-                                             f"{self.cfg.max_model_len} tokens, which no text over "
-                                             f"{self.max_prompt_chars} characters fits")
-        return self.tokenizer.encode(text).ids
+        """Token ids of `text`, refused untokenized when too long (`PromptAdmission.encode`)."""
+        return self.admission.encode(text, field)
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
@@ -125,7 +113,8 @@ class Router:
             if self._closed:
                 raise EngineError("router is shut down")
             if self._recovering is not None:
-                raise EngineError(f"the EP group is being rebuilt after a rank failure ({self._recovering}); retry")
+                raise EngineError(f"{self._recovering}; retry" if self.cluster is None else
+                                  f"the EP group is being rebuilt after a rank failure ({self._recovering}); retry")
             if self._draining:
                 raise EngineError("the server is shutting down; retry on another replica")
             if len(self._streams) >= self.max_queue:
@@ -235,22 +224,38 @@ class Router:
         threading.Thread(target=self._rebuild, args=(reason, n, t0), daemon=True, name="ep-rebuild").start()
 
     def _rebuild(self, reason: str, failed: int, t0: float) -> None:
-        attempt = 0
+        attempt, first = 0, self.cluster is None
         while not self._closed:
             attempt += 1
             try:
-                self.cluster.restart()
+                if first:
+                    cluster = EPCluster(self.cfg)
+                    with self._lock:
+                        self.cluster = cluster
+                        if self._closed:  # closed while it was being built
+                            break
+                else:
+                    self.cluster.restart()
                 break
+            except ValueError as e:  # a configuration no attempt can place: say so, stop trying
+                if not first:
+                    raise
+                log.error("EP group cannot be built: %s", e)
+                with self._lock:
+                    self._start_error = f"the EP group cannot be built: {e}"
+                return
             except Exception as e:  # noqa: BLE001 - keep trying: the alternative is a manual restart
-                log.error("EP group rebuild attempt %d failed: %s: %s", attempt, type(e).__name__, e)
+                log.error("EP group %s attempt %d failed: %s: %s", "build" if first else "rebuild", attempt,
+                          type(e).__name__, e)
                 time.sleep(min(2.0 * attempt, 10.0))
         with self._lock:
             if self._closed:
                 return
             self._rank_cost = [0] * self.cfg.ranks
             self._recovering = None
-            self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
-                                    "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
+            if not first:
+                self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
+                                        "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
             self._start_pollers()
         log.warning("EP group serving again after %.1f s (%d attempts)", time.monotonic() - t0, attempt)
 
@@ -282,16 +287,19 @@ class Router:
             return list(self._streams.values())
 
     def health(self) -> dict:
-        """{ok, status ("ok" | "recovering" | "draining" | "unhealthy"), ranks: [{rank, ok, error}], recoveries
+        """{ok, status ("ok" | "starting" | "recovering" | "draining" | "failed" | "unhealthy"), ranks: [{rank, ok, error}], recoveries
         (count), recovering_s (seconds since the failure, while recovering)}. Draining (after `drain`): not ok.
         While the EP group is rebuilt, `ranks` is empty and `status` is "recovering" (the replica is alive)."""
         with self._lock:
             recovering, since, draining = self._recovering, self._recovering_since, self._draining
+            starting, start_error = self.cluster is None, self._start_error
+        if start_error is not None:
+            return {"ok": False, "status": "failed", "error": start_error, "ranks": [], "recoveries": 0}
         if draining:  # probes (HTTP /health, gRPC Health) must say so: new requests are refused from now on
             return {"ok": False, "status": "draining", "error": "the server is shutting down", "ranks": [],
                     "recoveries": len(self.recoveries)}
         if recovering is not None:
-            return {"ok": False, "status": "recovering", "error": recovering, "ranks": [],
+            return {"ok": False, "status": "starting" if starting else "recovering", "error": recovering, "ranks": [],
                     "recovering_s": time.monotonic() - since, "recoveries": len(self.recoveries)}
         ranks = self.cluster.health()
         ok = all(r.get("ok") for r in ranks)
@@ -327,5 +335,7 @@ class Router:
         with self._lock:
             self._closed = True
         seq = next(self._seq)
-        self.cluster.shutdown(seq)
-        self._channels.close(join_s=5)
+        if self.cluster is not None:
+            self.cluster.shutdown(seq)
+        if self._channels is not None:
+            self._channels.close(join_s=5)

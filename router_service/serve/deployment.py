@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from contextlib import aclosing
 
 import grpc
@@ -114,19 +115,22 @@ if serve is not None:
         Several replicas are independent data-parallel copies.
 
         Raises:
-            ValueError: bad arguments or cluster configuration. TimeoutError: ranks cannot be placed.
+            ValueError / pydantic.ValidationError: bad arguments. (An EP group that cannot be built is reported by
+            `health_report` / `check_health`, status "failed".)
         """
 
         def __init__(self, args: dict):
             from cluster.config import ClusterConfig
-            from cluster.launcher import EPCluster
 
             self.args = ServeAppArgs.model_validate(args)
             if not any(isinstance(f, ClientErrorLogFilter) for f in logging.getLogger("ray.serve").filters):
                 logging.getLogger("ray.serve").addFilter(ClientErrorLogFilter())
             self.api_key = self.args.api_key if self.args.api_key is not None else os.environ.get("MOERAY_API_KEY")
             cfg = ClusterConfig(**resolve_args(self.args))
-            self.router = Router(EPCluster(cfg), max_queue=self.args.max_queue)
+            # the EP group is built in the background: until it is up (placement may wait for a node), every
+            # request gets 503 + Retry-After and /health says "starting", instead of hanging on a constructor
+            # Serve has not finished (the old replica may already be gone)
+            self.router = Router(cfg, max_queue=self.args.max_queue)
             # not `self.app`: the ingress wrapper owns that name (a read-only property)
             self.http_app = create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key,
                                        max_body_bytes=self.args.max_body_bytes)
@@ -145,7 +149,7 @@ if serve is not None:
                 from router_service.serve.listener import HTTPListener
 
                 self.listener = HTTPListener(self.http_app, self.args.http_host, self.args.http_port).start()
-            log.info("MoerayServer up: %s, %d ranks", cfg.model, cfg.ranks)
+            log.info("MoerayServer up: %s, %d ranks (EP group being built)", cfg.model, cfg.ranks)
 
         def __serve_build_asgi_app__(self):
             return self.http_app
@@ -197,11 +201,18 @@ if serve is not None:
             for up to `timeout_s` s, end the rest with a retriable error. Returns how many were ended."""
             return await asyncio.get_running_loop().run_in_executor(None, self.router.drain, timeout_s)
 
+        def health_report(self) -> dict:
+            """`Router.health()` of this replica (`moeray serve` waits on it for the EP group to be up)."""
+            return self.router.health()
+
         def check_health(self) -> None:
-            """Serve's replica health check. The router rebuilds a failed EP group itself (see
+            """Serve's replica health check. The router builds and rebuilds the EP group itself (see
             `router_service.router`), so the replica stays healthy while it does; it is reported unhealthy
-            (and Serve replaces it) only if the rebuild has not succeeded within 120 s."""
+            (and Serve replaces it) if the group cannot be built (bad configuration) or a rebuild has not
+            succeeded within 120 s."""
             h = self.router.health()
+            if h["status"] == "failed":
+                raise RuntimeError(h["error"])
             if h["status"] == "recovering" and h["recovering_s"] > 120:
                 raise RuntimeError(f"EP group not rebuilt after {h['recovering_s']:.0f} s: {h['error']}")
 
@@ -221,6 +232,25 @@ if serve is not None:
                 self.grpc.stop(0)
             if getattr(self, "router", None) is not None:
                 self.router.close()
+
+
+def wait_ready(handle, timeout_s: float | None = None, say=None) -> str | None:
+    """Wait until the replica behind `handle` (a `MoerayServer` app handle) has built its EP group; meanwhile the
+    app answers 503 + Retry-After. `say(message)` is called with each new stage. Returns None once it is up, or
+    why it cannot be built. Raises TimeoutError after `timeout_s` seconds (None: no limit)."""
+    deadline, said = None if timeout_s is None else time.monotonic() + timeout_s, None
+    while True:
+        h = handle.health_report.remote().result(timeout_s=60)
+        if h["status"] == "failed":
+            return h["error"]
+        if h["status"] != "starting":
+            return None
+        if say is not None and h.get("error") != said:
+            said = h.get("error")
+            say(said)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{h.get('error')}: not up within {timeout_s} s")
+        time.sleep(0.25)
 
 
 def build_app(args: ServeAppArgs | dict):

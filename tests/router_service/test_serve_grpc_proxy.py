@@ -36,6 +36,7 @@ def stub(ray_session, tiny_moe_dir):
 
     from router_service.http.models import ServeAppArgs
     from router_service.serve_app import build_app
+    from router_service.serve.deployment import wait_ready
 
     with open(os.path.join(REPO, "deploy", "serve_config.yaml")) as f:
         cfg = yaml.safe_load(f)
@@ -46,7 +47,8 @@ def stub(ray_session, tiny_moe_dir):
                                        "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()}, grpc_options=grpc_options)
     try:
-        serve.run(build_app(args), name=APP, route_prefix="/")  # returns once the replica is up
+        handle = serve.run(build_app(args), name=APP, route_prefix="/")  # returns once the replica is up
+        assert wait_ready(handle, timeout_s=120) is None  # and its EP group is built
         ch = grpc.insecure_channel(f"127.0.0.1:{grpc_options['port']}")
         grpc.channel_ready_future(ch).result(timeout=60)
         yield pb_grpc.MoerayStub(ch)

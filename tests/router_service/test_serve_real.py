@@ -36,6 +36,7 @@ def served(ray_session, tiny_moe_dir):
     from ray import serve
 
     from router_service.http.models import ServeAppArgs
+    from router_service.serve.deployment import wait_ready
 
     with open(os.path.join(REPO, "deploy", "serve_config.yaml")) as f:
         (app_cfg,) = yaml.safe_load(f)["applications"]
@@ -45,7 +46,8 @@ def served(ray_session, tiny_moe_dir):
     args = ServeAppArgs.model_validate({**app_cfg["args"], "model": tiny_moe_dir, "ranks": 1, "grpc_port": grpc_port,
                                        "cluster_options": {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16}})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    serve.run(builder(args), name="moeray", route_prefix="/")  # returns once the replica is up
+    handle = serve.run(builder(args), name="moeray", route_prefix="/")  # returns once the replica is up
+    assert wait_ready(handle, timeout_s=120) is None  # and its EP group is built
     try:
         yield http_port, grpc_port
     finally:

@@ -1,0 +1,119 @@
+"""A router given a `ClusterConfig` builds its EP group in the background (what a Serve replica does): until the
+group is up every request gets a retriable refusal at once (HTTP 503 + Retry-After, never a hang) and /health says
+"starting"; a configuration that cannot be built ends as "failed" with the reason. The cluster is a stand-in
+whose construction the test holds and releases (the real build is covered by the Ray tests of `moeray serve`)."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+import router_service.router as rmod
+from actors.engine.sampling import SamplingParams
+from cluster.config import ClusterConfig
+from router_service.errors import EngineError
+from router_service.http.app import create_app
+
+
+class HeldCluster:
+    """Stands in for `EPCluster`: its constructor waits for `release`, then raises `fail` if set."""
+
+    release = threading.Event()
+    fail: Exception | None = None
+    built = 0
+
+    def __init__(self, cfg):
+        assert HeldCluster.release.wait(30)
+        if HeldCluster.fail is not None:
+            raise HeldCluster.fail
+        HeldCluster.built += 1
+        self.cfg, self.ranks, self.generation = cfg, [], 1
+
+    def health(self):
+        return [{"rank": 0, "ok": True, "error": None}]
+
+    def shutdown(self, seq):
+        pass
+
+
+@pytest.fixture
+def held(monkeypatch):
+    HeldCluster.release, HeldCluster.fail, HeldCluster.built = threading.Event(), None, 0
+    monkeypatch.setattr(rmod, "EPCluster", HeldCluster)
+    yield HeldCluster
+    HeldCluster.release.set()
+
+
+def _wait_status(router, status):
+    deadline = time.monotonic() + 10
+    while router.health()["status"] != status and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return router.health()
+
+
+def test_requests_get_503_while_the_group_is_built(held, tiny_moe_dir):
+    router = rmod.Router(ClusterConfig(model=tiny_moe_dir, ranks=2))
+    h = router.health()
+    assert h["status"] == "starting" and not h["ok"] and "being built (2 ranks)" in h["error"]
+    with pytest.raises(EngineError, match="being built"):
+        router.submit([1, 2, 3], SamplingParams(max_tokens=2))
+    with TestClient(create_app(router, model_name="m")) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] and "being built" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        held.release.set()
+        h = _wait_status(router, "ok")
+        assert h["ok"] and held.built == 1 and router.recoveries == []  # the first build is not a recovery
+        assert c.get("/health").status_code == 200
+    router.close()
+
+
+def test_a_configuration_that_cannot_be_built_is_reported(held, tiny_moe_dir):
+    held.fail = ValueError("kv_cache_bytes=1 holds no KV block")
+    router = rmod.Router(ClusterConfig(model=tiny_moe_dir, ranks=1))
+    held.release.set()
+    h = _wait_status(router, "failed")
+    assert not h["ok"] and h["error"] == "the EP group cannot be built: kv_cache_bytes=1 holds no KV block"
+    router.close()
+
+
+def test_a_failed_attempt_is_retried(held, tiny_moe_dir, monkeypatch):
+    calls = []
+    real = HeldCluster.__init__
+
+    def flaky(self, cfg):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TimeoutError("placement group not schedulable")
+        real(self, cfg)
+
+    monkeypatch.setattr(HeldCluster, "__init__", flaky)
+    monkeypatch.setattr(rmod.time, "sleep", lambda s: None)  # the retry back-off
+    held.release.set()
+    router = rmod.Router(ClusterConfig(model=tiny_moe_dir, ranks=1))
+    assert _wait_status(router, "ok")["ok"] and len(calls) == 2
+    router.close()
+
+
+def test_wait_ready_reports_stages_and_the_failure(monkeypatch):
+    """`moeray serve` (and the Serve tests) wait on `wait_ready`: each new stage is said once, a failure returns
+    its reason, an EP group that is up returns None."""
+    from router_service.serve.deployment import wait_ready
+
+    def handle(states):
+        it = iter(states)
+        return SimpleNamespace(health_report=SimpleNamespace(remote=lambda: SimpleNamespace(
+            result=lambda timeout_s: next(it))))
+
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    said = []
+    building = {"status": "starting", "error": "the EP group is being built (2 ranks)"}
+    failed = {"status": "failed", "error": "the EP group cannot be built: no"}
+    assert wait_ready(handle([building, building, failed]), say=said.append) == "the EP group cannot be built: no"
+    assert said == ["the EP group is being built (2 ranks)"]
+    assert wait_ready(handle([building, {"status": "ok"}])) is None
+    with pytest.raises(TimeoutError, match="being built"):
+        wait_ready(handle([building] * 3), timeout_s=-1)
