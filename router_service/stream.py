@@ -51,6 +51,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     ttft_s: float | None = None
     token_times: list[float] = field(default_factory=list)
+    logprobs: list | None = None  # with `SamplingParams.logprobs`: one `TokenLogprob` per token id
+    prompt_logprobs: list | None = None  # with `prompt_logprobs`: per prompt token (the first None)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -155,6 +157,11 @@ class RequestStream:
             self.out.token_times.extend([now] * len(o.token_ids))
         self.out.token_ids.extend(o.token_ids)
         self.out.text += o.text
+        if o.logprobs is not None:
+            self.out.logprobs = self.out.logprobs or []
+            self.out.logprobs.extend(o.logprobs)
+        if o.prompt_logprobs is not None:
+            self.out.prompt_logprobs = o.prompt_logprobs
         if o.finish_reason is not None:
             self.out.finish_reason = o.finish_reason
             self.out.error = o.error

@@ -26,6 +26,7 @@ from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer, take_token
 from actors.engine.eplb import PlacementMixin
+from actors.engine.logprobs import step_logprobs
 from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.experts import Experts, local_experts
@@ -147,7 +148,8 @@ class RankEngine(PlacementMixin):
             raise ValueError(f"kv_profile={params.kv_profile!r} needs a quantized KV cache (kv_bits is unset)")
         gen = make_generator(params.seed) if params.temperature > 0 else None
         seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=params,
-                       detok=IncrementalDetokenizer(self.tokenizer, params.stop), generator=gen, arrival=req.arrival)
+                       detok=IncrementalDetokenizer(self.tokenizer, params.stop), generator=gen, arrival=req.arrival,
+                       prompt_lp=None if params.prompt_logprobs is None else [None])
         with self._lock:
             self._inbox.append(seq)
 
@@ -223,8 +225,9 @@ class RankEngine(PlacementMixin):
         gating = build_gating_batch(seqs, pos, meta, slot_of=self._slot_of, free_slots=self._free_slots,
                                     running=self.scheduler.running, default=self.model.gating_router.cfg.policy,
                                     dev=self.device)
-        sampled, rows = sampled_rows(prefills, decodes, meta, self.device)
-        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating, sampled=sampled, logit_rows=rows)
+        sampled, rows, scored = sampled_rows(prefills, decodes, meta, self.device)
+        plan = StepPlan(seqs=seqs, ids=ids, pos=pos, meta=meta, gating=gating, sampled=sampled, logit_rows=rows,
+                        prompt_rows=scored)
         self.timing["schedule_s"] += time.perf_counter() - t0
         return plan
 
@@ -241,16 +244,17 @@ class RankEngine(PlacementMixin):
         for seq in seqs:
             seq.num_cached += seq.num_scheduled  # the step's K/V are in the cache now
         seqs = plan.sampled  # a sequence mid-prefill gets no token (and needs no logits) until its last chunk
-        if seqs:
+        if seqs or plan.prompt_rows:
             if plan.logit_rows is not None:
                 h = h[plan.logit_rows]
             # decode only: token i is sequence i's one new token, so every row is a last row, in order
-            logits = self.model.logits(h).cpu()
-            toks, errors = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            logits = self.model.logits(h).cpu()  # [N + Q, V]: sampled rows, then prompt-scoring rows
+            toks, errors = sample(logits[:len(seqs)], [s.params for s in seqs], [s.generator for s in seqs])
             for i, err in errors.items():  # that request ends; the others keep their tokens (toks[i] = -1)
                 self._end(seqs[i], err=err)
-            for seq, tok in zip(seqs, toks):
-                self._append(seq, tok)
+            lps = step_logprobs(logits, seqs, toks, plan.prompt_rows) or [None] * len(seqs)
+            for seq, tok, lp in zip(seqs, toks, lps):
+                self._append(seq, tok, lp)
         t3 = time.perf_counter()
         self.timing["steps"] += 1
         if self.group is not None and self.timing["steps"] % BIAS_SYNC_STEPS == 0:
@@ -271,16 +275,20 @@ class RankEngine(PlacementMixin):
         dist.all_reduce(bias, op=dist.ReduceOp.SUM, group=self.group)
         bias /= dist.get_world_size(self.group)
 
-    def _append(self, seq: Sequence, tok: int) -> None:
-        """Emit `seq`'s sampled token (`take_token`'s rules); tok < 0: the sampler failed the row, `run` ended it."""
+    def _append(self, seq: Sequence, tok: int, lp: list | None = None) -> None:
+        """Emit `seq`'s sampled token (`take_token`'s rules) and its logprob entry `lp`, with the prompt's logprobs
+        in its first output; tok < 0: the sampler failed the row, `run` ended it. max_tokens 0: the prompt only."""
         if tok < 0:
             return
+        first, ids, text, reason = not seq.output_ids, [], "", "length"
         try:
-            ids, text, reason = take_token(seq, tok, self.eos, self.cfg.max_model_len)
+            if seq.params.max_tokens:
+                ids, text, reason = take_token(seq, tok, self.eos, self.cfg.max_model_len)
         except Exception as e:  # a bug in one sequence's state ends that request, never the step
             return self._end(seq, err=f"output handling failed: {e!r:.300}")
         out = TokenOutput(request_id=seq.request_id, token_ids=ids, text=text, finish_reason=reason,
-                          prompt_tokens=len(seq.prompt_ids), num_preemptions=seq.num_preemptions)
+                          prompt_tokens=len(seq.prompt_ids), num_preemptions=seq.num_preemptions,
+                          logprobs=None if lp is None else [lp][:len(ids)], prompt_logprobs=seq.prompt_lp if first else None)
         if reason is not None:
             return self._end(seq, out)
         self.outputs.append(out)

@@ -5,7 +5,9 @@ unknown version raises ValueError, so a mixed-version cluster fails loudly inste
 
 An `outputs` frame carries every sequence's new tokens of one rank step as one msgpack array of rows, each row the
 `TokenOutput` fields in declaration order (`WIRE_FIELDS`): no per-output map keys to pack and unpack, which is
-most of a frame's cost at 32-64 sequences per step.
+most of a frame's cost at 32-64 sequences per step. The optional trailing fields (`OPTIONAL_WIRE_FIELDS`:
+logprobs) are left off a row when they are all None, so a frame without logprobs is as before; floats go as
+msgpack float32 (the rank computes them in fp32, so nothing is lost).
 """
 from __future__ import annotations
 
@@ -53,6 +55,11 @@ class TokenOutput:
 
     finish_reason: None while running; "stop" (EOS / stop string / stop id), "length", "abort",
     or "error" (then `error` says why).
+    logprobs: with `SamplingParams.logprobs`, one `TokenLogprob` per id of `token_ids`, else None.
+    prompt_logprobs: with `SamplingParams.prompt_logprobs`, in the request's first output: one per prompt token,
+    the first None (nothing predicts it), else None.
+    A `TokenLogprob` is a list [logprob, rank, top_ids, top_logprobs]: the token's log-probability (float), its
+    rank among the vocabulary (1 = most probable), and the k most probable ids with theirs, descending.
     """
 
     request_id: str
@@ -62,26 +69,38 @@ class TokenOutput:
     error: str | None = None
     prompt_tokens: int = 0
     num_preemptions: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def to_wire(self) -> tuple:
-        """The output as one frame row: its fields in declaration order (`WIRE_FIELDS`)."""
-        return (self.request_id, self.token_ids, self.text, self.finish_reason, self.error, self.prompt_tokens,
-                self.num_preemptions)
+        """The output as one frame row: its fields in declaration order (`WIRE_FIELDS`), the optional trailing
+        ones only when one is set."""
+        row = (self.request_id, self.token_ids, self.text, self.finish_reason, self.error, self.prompt_tokens,
+               self.num_preemptions)
+        if self.logprobs is None and self.prompt_logprobs is None:
+            return row
+        return row + (self.logprobs, self.prompt_logprobs)
 
 
 WIRE_FIELDS = tuple(TokenOutput.__dataclass_fields__)  # the row layout of an `outputs` frame
+OPTIONAL_WIRE_FIELDS = ("logprobs", "prompt_logprobs")  # trailing; a row may leave all of them off
+_REQUIRED = len(WIRE_FIELDS) - len(OPTIONAL_WIRE_FIELDS)
 
 
 def _rows_to_outputs(rows: list) -> list[TokenOutput]:
-    if any(len(r) != len(WIRE_FIELDS) for r in rows):
-        raise ValueError(f"an outputs row must have {len(WIRE_FIELDS)} fields ({', '.join(WIRE_FIELDS)})")
+    if any(len(r) not in (_REQUIRED, len(WIRE_FIELDS)) for r in rows):
+        raise ValueError(f"an outputs row must have {_REQUIRED} or {len(WIRE_FIELDS)} fields ({', '.join(WIRE_FIELDS)})")
     return [TokenOutput(request_id=r[0], token_ids=r[1], text=r[2], finish_reason=r[3], error=r[4],
-                        prompt_tokens=r[5], num_preemptions=r[6]) for r in rows]
+                        prompt_tokens=r[5], num_preemptions=r[6]) if len(r) == _REQUIRED else
+            TokenOutput(request_id=r[0], token_ids=r[1], text=r[2], finish_reason=r[3], error=r[4],
+                        prompt_tokens=r[5], num_preemptions=r[6], logprobs=r[7], prompt_logprobs=r[8])
+            for r in rows]
 
 
 def encode_outputs(outputs: list[TokenOutput]) -> bytes:
     """One step's outputs as an `outputs` frame (rows, see `WIRE_FIELDS`)."""
-    return _pack("outputs", {"items": [o.to_wire() for o in outputs]})
+    return msgpack.packb({"v": SCHEMA_VERSION, "type": "outputs", "items": [o.to_wire() for o in outputs]},
+                         use_bin_type=True, use_single_float=True)
 
 
 def decode_outputs(data: bytes) -> list[TokenOutput]:

@@ -9,6 +9,7 @@ from actors.kv.profile_choice import AUTO as KV_PROFILE_AUTO
 from actors.moe.gating import POLICIES
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # top alternatives per token at most (`logprobs`, `prompt_logprobs`), as OpenAI's API
 # KV quantization profile names a request may give: the calibration domain ("prose", "code") or "auto".
 # No path separators, so a request can only pick among the profiles the ranks loaded, never name a file.
 MAX_KV_PROFILE_LEN = 64
@@ -58,7 +59,8 @@ class SamplingParams:
 
     temperature: 0 means greedy (so does anything below `actors.engine.sampler.GREEDY_BELOW_TEMPERATURE`, 1e-5,
     as in vLLM); otherwise in (0, 100]. top_k: 0 or -1 disables, else >= 1.
-    top_p: in (0, 1]. max_tokens: >= 1 output tokens. seed: per-request RNG seed (None: random).
+    top_p: in (0, 1]. max_tokens: output tokens at most, >= 1 (0: only the prompt is run, for its
+    `prompt_logprobs`; no token is sampled). seed: per-request RNG seed (None: random).
     stop: strings that end generation (not included in the text). stop_token_ids: extra ids that end
     it (included in token_ids only if they are not EOS; their text never is). ignore_eos: keep going past EOS (benchmarks).
     gating: this request's gating policy (`actors.moe.gating.POLICIES`), None = the deployment's.
@@ -66,6 +68,10 @@ class SamplingParams:
     "auto": chosen from the prompt text by `actors.kv.profile_choice.choose_profile`); None = the deployment's
     default (`--kv-profile`). Only a quantized KV cache (`--kv-bits`) has profiles: there, a name the ranks did
     not load is an error; on a full-precision cache any name but "auto" is an error (`check_kv_profile`).
+    logprobs: per output token, its log-probability and those of the `logprobs` (0-20) most probable tokens;
+    None = off. prompt_logprobs: the same for every prompt token but the first (vLLM's extension); None = off.
+    Both are log_softmax of the model's raw logits in fp32 (before temperature / top-k / top-p, vLLM's default
+    `raw_logprobs`), computed on the rank (`actors.engine.logprobs`).
 
     Raises:
         ValueError: naming the field, its value and the allowed range.
@@ -81,6 +87,8 @@ class SamplingParams:
     ignore_eos: bool = False
     gating: str | None = None
     kv_profile: str | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.gating is not None and self.gating not in POLICIES:
@@ -94,8 +102,12 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k < -1:
             raise ValueError(f"top_k={self.top_k} must be -1, 0 (disabled) or >= 1")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"max_tokens={self.max_tokens} must be an integer >= 0 (0: the prompt only)")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name}={k!r} must be an integer in [0, {MAX_LOGPROBS}] (or None: off)")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -44,6 +44,8 @@ class Sequence:
     num_scheduled: int = 0  # tokens this step computes: positions [num_cached, num_cached + num_scheduled)
     num_preemptions: int = 0
     arrival: float = 0.0
+    # with `params.prompt_logprobs`: [None, then one `TokenLogprob` per prompt token scored so far]; else None
+    prompt_lp: list | None = None
 
     @property
     def length(self) -> int:

@@ -7,7 +7,9 @@ the budget, else a chunk: `actors.engine.scheduler`), then one token per decode 
 decode token i of a decode-only step is sequence i's new token. `meta.prefills[i]` = (first row, chunk
 length n, context length after the chunk, block table): the chunk's queries attend to the sequence's cached
 K/V of earlier chunks plus, causally, the chunk itself. Only sequences whose last position is in the step
-need logits (`StepPlan.sampled`, rows `logit_rows`): a prefill whose chunk ends the sequence, every decode.
+need logits (`StepPlan.sampled`, rows `logit_rows`): a prefill whose chunk ends the sequence, every decode;
+plus, for a request with `prompt_logprobs`, every row of its chunk that predicts a prompt token not scored yet
+(`StepPlan.prompt_rows`, rows after the sampled ones in `logit_rows`).
 
 Shape legend: T = tokens in the step, M = most KV blocks of a decode sequence.
 """
@@ -27,7 +29,9 @@ class StepPlan:
     """One scheduled step: its sequences (prefills first), flattened token ids [T] and positions [T] (int64),
     attention metadata and gating batch. `num_tokens` = T. `sampled`: the sequences that get a token this step
     (those whose last position is computed), in `seqs` order; `logit_rows`: [N] int64 rows of the step's hidden
-    states they sample from, or None when every row is one (a decode-only step)."""
+    states they sample from, then the `prompt_rows` ones, or None when every row is one (a decode-only step).
+    `prompt_rows`: (sequence, first position p, count c) per prefill chunk scoring prompt tokens p+1 .. p+c
+    (`SamplingParams.prompt_logprobs`), in row order."""
 
     seqs: list[Sequence]
     ids: torch.Tensor
@@ -36,6 +40,7 @@ class StepPlan:
     gating: GatingBatch
     sampled: list[Sequence]
     logit_rows: torch.Tensor | None
+    prompt_rows: list[tuple[Sequence, int, int]]
 
     @property
     def num_tokens(self) -> int:
@@ -78,17 +83,27 @@ def build_metadata(prefills: list[Sequence], decodes: list[Sequence], bs: int, d
     return torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev), meta
 
 
-def sampled_rows(prefills: list[Sequence], decodes: list[Sequence], meta: AttentionMetadata,
-                 dev: torch.device) -> tuple[list[Sequence], torch.Tensor | None]:
-    """(sequences that get a token this step, their rows [N] int64 or None = every row, decode-only): a
-    prefill whose chunk reaches its sequence's length, then every decode (layout of `build_metadata`)."""
+def sampled_rows(prefills: list[Sequence], decodes: list[Sequence], meta: AttentionMetadata, dev: torch.device
+                 ) -> tuple[list[Sequence], torch.Tensor | None, list[tuple[Sequence, int, int]]]:
+    """(sequences that get a token this step, the logit rows [N + Q] int64 or None = every row, decode-only, and
+    the prompt-scoring chunks, `StepPlan.prompt_rows`): a prefill whose chunk reaches its sequence's length, then
+    every decode (layout of `build_metadata`), then the Q rows of prompt positions p whose next prompt token
+    p + 1 has no logprob yet (`Sequence.prompt_lp`; a recomputed prefix after preemption is not scored again)."""
     if not prefills:
-        return list(decodes), None
+        return list(decodes), None, []
     done = [(s, start + n - 1) for s, (start, n, _, _) in zip(prefills, meta.prefills)
             if s.num_cached + n == s.length]
     first_decode = sum(n for _, n, _, _ in meta.prefills)  # decode tokens follow the prefill chunks
     rows = [r for _, r in done] + list(range(first_decode, first_decode + len(decodes)))
-    return [s for s, _ in done] + decodes, torch.tensor(rows, dtype=torch.int64, device=dev)
+    scored = []
+    for s, (start, n, _, _) in zip(prefills, meta.prefills):
+        if s.prompt_lp is not None:
+            a = s.num_cached
+            p, end = max(a, len(s.prompt_lp) - 1), min(a + n, len(s.prompt_ids) - 1)
+            if end > p:
+                scored.append((s, p, end - p))
+                rows += range(start + p - a, start + end - a)
+    return [s for s, _ in done] + decodes, torch.tensor(rows, dtype=torch.int64, device=dev), scored
 
 
 def build_gating_batch(seqs: list[Sequence], pos: torch.Tensor, meta: AttentionMetadata, *, slot_of: dict[str, int],

@@ -60,7 +60,8 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
         InvalidRequestError: naming the field, its value and the allowed range.
     """
     kw: dict = {}
-    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating", "kv_profile"):
+    for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating", "kv_profile", "logprobs",
+                 "prompt_logprobs"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     kw["stop"] = list(sp.stop)
@@ -105,6 +106,12 @@ class RpcError(Exception):
         return (RpcError, (self.code, self.details))
 
 
+def _token_logprob(token_id: int, e: list) -> pb.TokenLogprob:
+    """A rank's `TokenLogprob` entry ([logprob, rank, top_ids, top_logprobs]) as the proto message."""
+    return pb.TokenLogprob(token_id=token_id, logprob=e[0], rank=e[1],
+                           top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in zip(e[2], e[3])])
+
+
 class GenerateCall:
     """One `Generate` in flight: turns the request's `TokenOutput`s into `GenerateResponse`s and makes sure
     the rank lets go of it. `close()` (idempotent, thread-safe) aborts the request unless it already
@@ -137,6 +144,12 @@ class GenerateCall:
         self.completion += len(o.token_ids)
         resp = pb.GenerateResponse(request_id=self.request_id, text=o.text, token_ids=o.token_ids,
                                    finish_reason=FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
+        if o.logprobs:
+            resp.logprobs.extend(_token_logprob(t, e) for t, e in zip(o.token_ids, o.logprobs))
+        if o.prompt_logprobs is not None:
+            p = self.stream.out.prompt
+            ids = list(p) if isinstance(p, list) else self.router.tokenizer.encode(p).ids
+            resp.prompt_logprobs.extend(_token_logprob(t, e) for t, e in zip(ids[1:], o.prompt_logprobs[1:]))
         if o.finish_reason is not None:
             self._finished.set()
             self._count("CANCELLED" if o.finish_reason == "abort" else "OK")

@@ -173,6 +173,7 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
         created = int(time.time())
         base = {"id": rid, "created": created, "model": srv.model_name}
         completion = [0] * len(streams)
+        views = srv.views(req, streams)  # echo / logprobs / prompt_logprobs; None: none asked
         if not req.stream:
             texts, reasons = [""] * len(streams), [None] * len(streams)
             async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
@@ -184,10 +185,16 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                     texts[i] += o.text
                     completion[i] += len(o.token_ids)
                     reasons[i] = o.finish_reason or reasons[i]
+                    if views is not None:
+                        views[i].add(o)
             choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
                          "finish_reason": reasons[i]} if chat else
                         {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
                        for i in range(len(streams))]
+            if views is not None:
+                choices = [v.fill(c) for v, c in zip(views, choices)]
+                if chat and req.prompt_logprobs is not None:
+                    base["prompt_logprobs"] = views[0].prompt_logprobs()
             m.requests.labels("http", path, "200").inc()
             return {**base, "object": obj, "choices": choices, "usage": srv.usage(streams, completion, req.n)}
 
@@ -234,6 +241,10 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                                                "param": None, "code": 503}})
                         break
                     completion[i] += len(o.token_ids)
+                    if views is not None:  # the general path: whole chunk dicts
+                        for c in views[i].chunks(i, o):
+                            yield event({**base, "object": chunk_obj, "choices": [c]})
+                        continue
                     if not o.text and o.finish_reason is None:
                         continue  # text held back (partial character or possible stop string)
                     yield token_event(i, o.text, o.finish_reason)

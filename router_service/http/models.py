@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.engine.sampling import MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
+from actors.engine.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
 from actors.moe.gating import POLICIES
 
 MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
@@ -65,15 +65,19 @@ class SamplingFields(NullIsDefault):
                                    "default. A name needs a quantized KV cache (--kv-bits); unknown names get 400")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    logprobs: bool | int | None = Field(None, description="not supported: only null / false / 0")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's extension: logprobs of "
+                                        "every prompt token and its top-k (`router_service.http.logprobs`)")
     user: str | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v:
-            raise ValueError(f"logprobs={v!r} is not supported (only null, false or 0)")
-        return None
+    @model_validator(mode="after")
+    def _prompt_logprobs(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available with stream=true (as in vLLM)")
+        return self
+
+    def logprob_params(self) -> dict:
+        """`SamplingParams.logprobs` / `prompt_logprobs` of this request (completions and chat differ)."""
+        return {"prompt_logprobs": self.prompt_logprobs}
 
     @field_validator("n")
     @classmethod
@@ -116,7 +120,8 @@ class SamplingFields(NullIsDefault):
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
                               seed=None if self.seed is None else (self.seed + index) % MAX_SEED,
                               stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, gating=self.gating, kv_profile=self.kv_profile)
+                              ignore_eos=self.ignore_eos, gating=self.gating, kv_profile=self.kv_profile,
+                              **self.logprob_params())
 
 
 def _token_ids(v: list, what: str) -> list[int]:
@@ -161,7 +166,10 @@ class CompletionRequest(SamplingFields):
     16 as in OpenAI's API."""
 
     prompt: Any = Field(..., description=PROMPT_FORMS)
-    echo: Literal[False] = Field(False, description="not supported")
+    max_tokens: int | None = Field(None, ge=0, description="output tokens at most (0 only with echo: the prompt "
+                                   "alone); prompt + max_tokens <= context window")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="logprobs of each token and its top-k")
+    echo: bool = Field(False, description="the prompt (and with logprobs its logprobs) before the output")
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, description=f"only equal to n (or unset), so at most {MAX_N}")
 
@@ -171,8 +179,17 @@ class CompletionRequest(SamplingFields):
         parse_prompt(v)
         return v
 
+    def logprob_params(self) -> dict:
+        """Echo with logprobs k scores the prompt with k alternatives too (and vLLM's prompt_logprobs, if more)."""
+        pk = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            pk = max(self.logprobs, pk or 0)
+        return {"logprobs": self.logprobs, "prompt_logprobs": pk}
+
     @model_validator(mode="after")
     def _best_of(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (otherwise nothing would be returned)")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} must equal n={self.n}: best_of > n (server-side best-of "
                              f"sampling) is not supported; n is at most {MAX_N}")
@@ -212,11 +229,18 @@ class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(False, description="logprobs of each output token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: top-k per token")
+
+    def logprob_params(self) -> dict:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None, "prompt_logprobs": self.prompt_logprobs}
 
     @model_validator(mode="after")
     def _messages(self):
         if not any(m.text() for m in self.messages):
             raise ValueError("messages: every message is empty")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=true")
         return self
 
     @property

@@ -24,6 +24,7 @@ from actors.engine.messages import TokenOutput
 from router_service.chat_template import ChatTemplate, load_chat_template
 from router_service.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError
 from router_service.grpc.rpc import served_model_name
+from router_service.http.logprobs import ChoiceView, TokenTexts
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router_service.metrics import Metrics
 from router_service.router import Router
@@ -107,7 +108,7 @@ class OpenAIServer:
 
     def completion_jobs(self, req: CompletionRequest, rid: str) -> list[tuple]:
         self._check_model(req)
-        max_tokens = req.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         jobs = []
         for p_i, prompt in enumerate(req.prompts()):
             for j in range(req.n):
@@ -131,6 +132,26 @@ class OpenAIServer:
         else:
             max_tokens = L - len(ids)  # the rest of the context window
         return [(ids, req.sampling_params(max_tokens, j), f"{rid}-{j}") for j in range(req.n)]
+
+    def views(self, req: SamplingFields, streams: list[RequestStream]) -> list[ChoiceView] | None:
+        """Per choice, its echo / logprobs / prompt_logprobs view (`router_service.http.logprobs`); None when the
+        request asks for none of them (the plain, fast path)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        lp = req.logprob_params()
+        k = lp["logprobs"]
+        echo = bool(getattr(req, "echo", False))
+        if k is None and req.prompt_logprobs is None and not echo:
+            return None
+        tok = self.router.tokenizer
+        views = []
+        for s in streams:
+            p = s.out.prompt
+            ids = list(p) if isinstance(p, list) else (tok.encode(p).ids if (k is not None and echo) or
+                                                       req.prompt_logprobs is not None else [])
+            text = (p if isinstance(p, str) else tok.decode(list(p), skip_special_tokens=False)) if echo else ""
+            views.append(ChoiceView(TokenTexts(tok), chat=chat, k=k, echo=echo, prompt_k=req.prompt_logprobs,
+                                    prompt_text=text, prompt_ids=ids))
+        return views
 
     # -------------------------------------------------------------- streaming
     async def outputs(self, streams: list[RequestStream], frontend: str = "http") -> AsyncIterator[tuple[int, TokenOutput]]:

@@ -107,7 +107,7 @@ def test_stop_string_held_back(stub):
 
 
 @pytest.mark.parametrize("request_kw, field, limit", [
-    (dict(sampling=pb.SamplingParams(max_tokens=-1)), "max_tokens", ">= 1"),
+    (dict(sampling=pb.SamplingParams(max_tokens=-1)), "max_tokens", ">= 0"),
     (dict(sampling=pb.SamplingParams(max_tokens=100000)), "max_tokens", "context window"),
     (dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p", "(0, 1]"),
     (dict(sampling=pb.SamplingParams(temperature=-0.5)), "temperature", "[0, 100]"),

@@ -219,7 +219,8 @@ def test_chat_template_from_tokenizer_config(tmp_path):
 
 
 @pytest.mark.parametrize("body, field, limit", [
-    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+    ({"max_tokens": 0}, "max_tokens", "needs echo=true"),
     ({"max_tokens": 100000}, "max_tokens", "context window"),
     ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"temperature": 3}, "temperature", "less than or equal to 2"),
@@ -233,7 +234,7 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     ({"stop": [""]}, "stop", "non-empty"),
     ({"stop": ["a"] * 17}, "stop", "at most 16"),
     ({"seed": -1}, "seed", "greater than or equal to 0"),
-    ({"logprobs": 5}, "logprobs", "not supported"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0"),
     ({"gating": "fastest"}, "gating", "must be one of exact"),
 ])

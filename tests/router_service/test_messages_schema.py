@@ -39,5 +39,22 @@ def test_outputs_frame_rows_keep_every_field():
 
 def test_outputs_row_of_wrong_width_rejected():
     bad = msgpack.packb({"v": SCHEMA_VERSION, "type": "outputs", "items": [["r1", [1], ""]]}, use_bin_type=True)
-    with pytest.raises(ValueError, match="outputs row must have 7 fields"):
+    with pytest.raises(ValueError, match="outputs row must have 7 or 9 fields"):
         decode_outputs(bad)
+
+
+def test_outputs_rows_with_logprobs_round_trip_and_stay_compact_without():
+    """The logprob fields ride as two trailing row fields, float32 on the wire (exact for fp32 values); rows
+    without them keep the 7-field layout, so an old frame decodes and a frame without logprobs is as small."""
+    import numpy as np
+
+    lp = float(np.float32(-1.2345678))
+    outs = [TokenOutput(request_id="a", token_ids=[7], text="x", logprobs=[[lp, 3, [1, 2], [-0.5, -0.75]]],
+                        prompt_logprobs=[None, [-2.5, 1, [4], [-2.5]]]),
+            TokenOutput(request_id="b", token_ids=[1], text="y")]
+    data = encode_outputs(outs)
+    assert decode_outputs(data) == outs
+    rows = msgpack.unpackb(data, raw=False)["items"]
+    assert [len(r) for r in rows] == [9, 7]
+    assert len(encode_outputs(outs[1:])) == len(msgpack.packb(
+        {"v": SCHEMA_VERSION, "type": "outputs", "items": [outs[1].to_wire()]}, use_bin_type=True))

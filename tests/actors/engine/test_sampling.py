@@ -11,7 +11,7 @@ from actors.engine.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("kw,field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                      ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+                                      ({"top_p": 1.5}, "top_p"), ({"max_tokens": -1}, "max_tokens"),
                                       ({"top_k": -2}, "top_k"), ({"stop": [""]}, "stop")])
 def test_invalid_params_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
