@@ -11,6 +11,8 @@ from actors.model.config import ModelConfig
 
 # the engine's own defaults (one home: `actors.engine.config.EngineConfig`)
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
+# Ray placement-group strategies for the rank bundles (trade-off: README "Several machines", `moeray generate --help`)
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -21,6 +23,8 @@ class ClusterConfig:
     ranks: world size of the EP group. num_cpus_per_rank: fractional CPU per rank bundle
     (default 0.5 so 2 ranks fit a 2-core machine next to the driver). num_gpus_per_rank: 1 on CUDA.
     kv_cache_bytes: KV budget per rank (bytes). pg_timeout_s: process-group timeout (<= 10 s).
+    placement_strategy: the rank placement group's Ray strategy, one of PLACEMENT_STRATEGIES (PACK: as few
+    nodes as possible; SPREAD: across nodes, soft; STRICT_SPREAD: one rank per node; STRICT_PACK: one node).
     """
 
     model: str = DEFAULT_MODEL
@@ -46,6 +50,9 @@ class ClusterConfig:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"placement_strategy={self.placement_strategy!r} must be one of "
+                             f"{', '.join(PLACEMENT_STRATEGIES)}")
         if self.transport not in ("auto", "torch"):
             raise ValueError(f"transport={self.transport!r} must be auto or torch")
         if self.num_cpus_per_rank <= 0:

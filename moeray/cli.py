@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from cluster.config import DEFAULT_MODEL, ClusterConfig
+from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig
 
 _CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
@@ -44,8 +44,17 @@ def _add_generate(sub) -> None:
 
 
 def add_engine_args(p) -> None:
-    """What each rank runs: context, batch, KV cache, packed experts, prefetch, kernels, gating (shared by
-    `generate` and `serve`; `engine_kwargs` turns them into LLM / ClusterConfig keywords)."""
+    """Where the ranks run and what each runs: placement, context, batch, KV cache, packed experts, prefetch,
+    kernels, gating (shared by `generate` and `serve`; `engine_kwargs` turns them into LLM / ClusterConfig
+    keywords)."""
+    p.add_argument("--placement-strategy", type=str.upper, choices=PLACEMENT_STRATEGIES,
+                   default=_CLUSTER["placement_strategy"].default,
+                   help="how Ray places the ranks on the cluster's nodes. PACK: as few nodes as possible (ranks of one "
+                        "node exchange through shared memory; across nodes every all-to-all goes over gloo/TCP, several "
+                        "times slower per decode step); SPREAD: one rank per node where possible (more memory and "
+                        "bandwidth per rank; after a node dies the group is rebuilt on the survivors); "
+                        "STRICT_SPREAD: one rank per node or nothing (after a node dies the group waits for a new "
+                        "node); STRICT_PACK: all ranks on one node or nothing. See README 'Several machines'")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
@@ -122,7 +131,7 @@ def engine_kwargs(a) -> dict:
               "(packed experts run from their packed bytes), so nothing would be prefetched there; pass "
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
-              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens)
+              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=a.placement_strategy)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,

@@ -38,12 +38,18 @@ instead: `sched_yield` for `POLL_SPIN_S`, then sleeps between polls (50 us growi
 same liveness checks. An idle cluster never waits here: the lockstep loop only enters collectives when some
 rank has work.
 
-Lifetime. Rank 0 creates the segment and publishes its name through the process group's TCPStore; once all
-ranks have attached, rank 0 unlinks the name, so the memory goes away with the last process even after a
-crash.
+Bring-up (`setup`, over the process group's TCPStore). Hostname + boot id only say the ranks may share
+/dev/shm: host-network containers and pods share both yet each has its own /dev/shm. So rank 0 creates the
+segment and publishes its name, every other rank tries to attach and reports success or its error through the
+store, and rank 0 publishes the verdict: shared memory only if every rank attached within `attach_timeout_s`,
+else every rank closes its mapping and returns None together (gloo for everything). The name is unlinked on
+every path out of `setup` (success, a failed attach, the attach timeout, an exception), after the verdict or
+on the way out of an error, so the memory lives exactly as long as the mappings, also after a crash.
+`MOERAY_SHM=0` in any rank's environment turns the transport off for the whole group.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import secrets
@@ -54,6 +60,8 @@ import numpy as np
 import torch
 
 from kernels.cpu.shm import shm_a2a_entry_points
+
+log = logging.getLogger("moeray.rank")
 
 # spin this long before sleeping on the futex: within a decode step a peer that is not far behind arrives within
 # tens of us, and longer spins take the core from the peer rank and the front door on the 2-core machine
@@ -98,13 +106,27 @@ def _alive(pid: int) -> bool:
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
     # Python < 3.13 registers every attach with the resource tracker, which would unlink (or warn about) the
-    # segment when this process exits; rank 0 unlinks it explicitly once everyone is attached. Only attaching
-    # ranks untrack: the creator's `unlink()` unregisters the name itself, and a second unregister made the
-    # tracker process print a KeyError traceback at every cluster start.
+    # segment when this process exits; `setup` unlinks it explicitly after the verdict. Only attaching ranks
+    # untrack: the creator unregisters the name in `_unlink`, and a second unregister made the tracker process
+    # print a KeyError traceback at every cluster start.
     try:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the documented workaround
     except Exception:  # noqa: BLE001
         pass
+
+
+def _unlink(name: str, tracked: bool) -> None:
+    """Remove the segment's name (the memory stays until the last mapping goes). Any rank may call it; a name
+    already gone is fine. `tracked`: this process created it, so its resource tracker forgets it too."""
+    try:
+        shared_memory._posixshmem.shm_unlink("/" + name)  # noqa: SLF001 - SharedMemory.unlink minus tracking
+    except FileNotFoundError:
+        pass
+    if tracked:
+        try:
+            resource_tracker.unregister("/" + name, "shared_memory")
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class ShmAllToAll:
@@ -145,35 +167,73 @@ class ShmAllToAll:
 
     @classmethod
     def setup(cls, store, rank: int, world: int, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES,
-              prefix: str = "moeray/shm") -> "ShmAllToAll | None":
-        """Collective over `store` (the process group's TCPStore): returns the group's transport, or None on
-        every rank when the ranks are not all on one node or the machine is not x86-64 (the caller then keeps
-        torch.distributed for everything)."""
-        store.set(f"{prefix}/node/{rank}", f"{_node_id()}|{os.getpid()}")
-        if rank == 0:
-            infos = [store.get(f"{prefix}/node/{r}").decode().split("|") for r in range(world)]
-            ok = platform.machine().lower() in ("x86_64", "amd64") and len({n for n, _ in infos}) == 1
-            name = f"moeray_{secrets.token_hex(6)}" if ok else ""
-            inst = cls(0, world, name, slot_bytes, timeout_s, [int(p) for _, p in infos], create=True) if ok else None
-            store.set(f"{prefix}/name", name)
-        else:
-            name = store.get(f"{prefix}/name").decode()
-            inst = None
-            if name:
-                pids = [int(store.get(f"{prefix}/node/{r}").decode().split("|")[1]) for r in range(world)]
-                inst = cls(rank, world, name, slot_bytes, timeout_s, pids)
-        if name:
-            store.add(f"{prefix}/attached", 1)
-            if rank == 0:  # unlink once everyone is attached: the memory then lives exactly as long as the ranks
-                deadline = time.monotonic() + max(timeout_s, 60.0)
-                while store.add(f"{prefix}/attached", 0) < world:
-                    if time.monotonic() > deadline:
-                        inst.close()
-                        raise RuntimeError(f"shared-memory transport: only {store.add(f'{prefix}/attached', 0)} "
-                                           f"of {world} ranks attached within {max(timeout_s, 60.0)} s")
-                    time.sleep(0.005)
-                inst.shm.unlink()
+              prefix: str = "moeray/shm", attach_timeout_s: float | None = None) -> "ShmAllToAll | None":
+        """Collective over `store` (the process group's TCPStore; protocol in the module docstring): returns the
+        group's transport on every rank, or None on every rank when the machine is not x86-64, the ranks are not
+        all on one node, a rank set MOERAY_SHM=0, rank 0 cannot create the segment, or a rank could not attach
+        within `attach_timeout_s` seconds (None: max(timeout_s, 60)). The caller then keeps torch.distributed
+        for everything. Raises only what the store raises (a peer gone during bring-up)."""
+        wait_s = max(timeout_s, 60.0) if attach_timeout_s is None else attach_timeout_s
+        on = os.environ.get("MOERAY_SHM", "1") != "0"
+        store.set(f"{prefix}/node/{rank}", f"{_node_id()}|{os.getpid()}|{int(on)}")
+        name, inst, verdict = "", None, "off"
+        try:
+            infos = [store.get(f"{prefix}/node/{r}").decode().rsplit("|", 2) for r in range(world)]
+            pids = [int(p) for _, p, _ in infos]
+            if rank == 0:
+                why = ("not x86-64" if platform.machine().lower() not in ("x86_64", "amd64") else
+                       "ranks on several nodes" if len({n for n, _, _ in infos}) > 1 else
+                       "MOERAY_SHM=0" if any(o == "0" for _, _, o in infos) else None)
+                if why is None:
+                    name = f"moeray_{secrets.token_hex(6)}"
+                    try:
+                        inst = cls(0, world, name, slot_bytes, timeout_s, pids, create=True)
+                    except OSError as e:  # /dev/shm missing, full or too small
+                        name, why = "", f"rank 0 cannot create the segment ({type(e).__name__}: {e})"
+                store.set(f"{prefix}/name", name)
+                verdict = cls._collect(store, prefix, world, wait_s) if name else f"off ({why})"
+                store.set(f"{prefix}/verdict", verdict)
+            else:
+                name = store.get(f"{prefix}/name").decode()
+                if name:
+                    try:
+                        inst = cls._attach(rank, world, name, slot_bytes, timeout_s, pids)
+                        report = "ok"
+                    except Exception as e:  # noqa: BLE001 - any failure means: not shared with rank 0
+                        report = f"{type(e).__name__}: {e}"
+                    store.set(f"{prefix}/attach/{rank}", report)
+                    store.add(f"{prefix}/reported", 1)
+                    verdict = store.get(f"{prefix}/verdict").decode()
+        finally:
+            if name:  # after the verdict nobody attaches any more; on an error, nobody should
+                _unlink(name, tracked=rank == 0 and inst is not None)
+            if verdict != "ok" and inst is not None:
+                inst.close()
+                inst = None
+        if name and verdict != "ok":
+            log.warning("rank %d: shared-memory transport off, gloo for every collective: %s", rank, verdict)
         return inst
+
+    @classmethod
+    def _attach(cls, rank: int, world: int, name: str, slot_bytes: int, timeout_s: float,
+                pids: list[int]) -> "ShmAllToAll":
+        """A non-zero rank maps rank 0's segment (FileNotFoundError: this rank's /dev/shm is not rank 0's)."""
+        return cls(rank, world, name, slot_bytes, timeout_s, pids)
+
+    @staticmethod
+    def _collect(store, prefix: str, world: int, wait_s: float) -> str:
+        """Rank 0: wait up to `wait_s` s for every other rank's attach report; "ok" if all attached, else
+        "off (rank r: why; ...)"."""
+        deadline = time.monotonic() + wait_s
+        while store.add(f"{prefix}/reported", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        bad = []
+        for r in range(1, world):
+            key = f"{prefix}/attach/{r}"
+            got = store.get(key).decode() if store.check([key]) else f"no report within {wait_s:g} s"
+            if got != "ok":
+                bad.append(f"rank {r}: {got}")
+        return "ok" if not bad else f"off ({'; '.join(bad)})"
 
     def fits(self, nbytes_per_peer: int) -> bool:
         """Whether a call sending `nbytes_per_peer` bytes to each rank goes through shared memory (never after

@@ -22,6 +22,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.engine.messages import GenerateRequest
 from actors.rank.lockstep import LockstepLoop
+from actors.rank.netif import select_gloo_interface
 from actors.rank.output_channel import ABORT, REQUEST, OutputChannel
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
@@ -92,6 +93,9 @@ class RankWorker(LockstepLoop):
         if it has none). transport: "auto" also opens the shared-memory
         all-to-all (`actors.rank.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
         the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
+        gloo's device is built for this node's Ray IP (GLOO_SOCKET_IFNAME set to the interface holding it, unless
+        the user set it; `actors.rank.netif`), not for the hostname: a hostname resolving to 127.0.1.1 (Debian's
+        default) gave a device that ranks on other nodes cannot reach, and the group never formed.
         Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
@@ -100,6 +104,8 @@ class RankWorker(LockstepLoop):
             if self.rank == 0 and self._store is None:
                 raise ValueError("rank 0 hosts the rendezvous: call open_rendezvous() before setup()")
             store = self._store or join_store(master_addr, master_port, self.world_size, max(120.0, timeout_s))
+            if backend == "gloo":
+                select_gloo_interface(self.node_ip())
             dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                     timeout=timedelta(seconds=timeout_s))
             self.group = dist.group.WORLD

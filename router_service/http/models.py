@@ -18,6 +18,13 @@ from actors.moe.gating import POLICIES
 MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
 MAX_PROMPTS = 256  # prompts in one /v1/completions call at most
 MAX_SEED = 2**63
+# OpenAI / vLLM request fields that change the output and are not implemented yet -> the values that are no-ops
+NOT_YET_SUPPORTED = {
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
+    "min_p": (0, 0.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "structured_outputs": (),
+}
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
@@ -46,6 +53,19 @@ class SamplingFields(NullIsDefault):
     its KV quantization profile). Unknown fields are ignored, as OpenAI clients send many."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_yet(cls, data: Any):
+        """Fields that would change the output and are not implemented yet: a 400 naming the field unless the
+        value is the no-op one (never accepted and ignored)."""
+        if isinstance(data, dict):
+            for field, noop in NOT_YET_SUPPORTED.items():
+                v = data.get(field)
+                if v is not None and v not in noop:
+                    only = f" (only {' or '.join(map(repr, noop))})" if noop else ""
+                    raise ValueError(f"{field}: {v!r} is not supported yet{only}")
+        return data
 
     model: str | None = Field(None, description="served model id (GET /v1/models); None = the served model")
     max_tokens: int | None = Field(None, ge=1, description="output tokens at most; prompt + max_tokens <= context window")

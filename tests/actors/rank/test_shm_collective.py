@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from actors.rank.rendezvous import host_store, join_store
-from actors.rank.shm_collective import ShmAllToAll
+from actors.rank.shm_collective import ShmAllToAll, _node_id
 from kernels.cpu import cpu_kernels_available
 
 
@@ -171,3 +171,80 @@ def test_setup_leaves_the_resource_tracker_quiet_and_the_name_unlinked(capfd):
     assert "KeyError" not in err and "leaked shared_memory" not in err, err
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=res[0][2])
+
+
+def _agree_worker(rank, port, q, mode):
+    """Rank 1 misbehaves by `mode`: its attach raises FileNotFoundError (its /dev/shm is not rank 0's), its
+    attach comes after rank 0's attach timeout, or it opts out with MOERAY_SHM=0."""
+    store = join_store("127.0.0.1", port, 2, 60.0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    calls = []
+    if rank == 1 and mode == "fail":
+        def attach(cls, *a):
+            calls.append(a[2])
+            raise FileNotFoundError(2, "No such file or directory", f"/{a[2]}")
+        ShmAllToAll._attach = classmethod(attach)
+    elif rank == 1 and mode == "slow":
+        orig = ShmAllToAll._attach.__func__
+
+        def attach(cls, *a):
+            calls.append(a[2])
+            time.sleep(2.0)  # past rank 0's attach_timeout_s: rank 0 has given up and unlinked the name
+            return orig(cls, *a)
+        ShmAllToAll._attach = classmethod(attach)
+    elif rank == 1 and mode == "off":
+        os.environ["MOERAY_SHM"] = "0"
+    shm = ShmAllToAll.setup(store, rank, 2, timeout_s=30.0, attach_timeout_s=0.5 if mode == "slow" else None)
+    x = torch.arange(4.0) + 10 * rank  # the group goes on over gloo
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    q.put((rank, shm is None, len(calls), out.tolist()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["fail", "slow", "off"])
+def test_all_ranks_fall_back_together_and_no_segment_is_left(mode):
+    """Issue 19: a rank whose /dev/shm is not rank 0's (host-network pods) raised FileNotFoundError out of setup
+    and the segment leaked (also on the attach timeout). Now every rank returns None together and the name is
+    gone from /dev/shm."""
+    from multiprocessing import shared_memory
+
+    ctx = mp.get_context("spawn")
+    store = host_store(2)
+    q, port = ctx.Queue(), store.port
+    procs = [ctx.Process(target=_agree_worker, args=(r, port, q, mode)) for r in range(2)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(timeout=60)
+    assert [r[1] for r in res] == [True, True]  # both None
+    assert res[0][3] == [0.0, 1.0, 10.0, 11.0] and res[1][3] == [2.0, 3.0, 12.0, 13.0]
+    name = store.get("moeray/shm/name").decode()
+    verdict = store.get("moeray/shm/verdict").decode()
+    if mode == "off":
+        assert name == "" and verdict == "off (MOERAY_SHM=0)"
+        return
+    assert res[1][2] == 1  # rank 1 did try to attach
+    assert name.startswith("moeray_") and not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=name)
+    want = "rank 1: FileNotFoundError" if mode == "fail" else "rank 1: no report within 0.5 s"
+    assert verdict.startswith("off (") and want in verdict, verdict
+
+
+def test_an_error_in_setup_still_unlinks_the_segment(monkeypatch):
+    """Rank 0 alone against a store where rank 1 has announced itself: an exception while collecting the attach
+    reports propagates, and the segment rank 0 created is unlinked on the way out."""
+    from datetime import timedelta
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    store.set("moeray/shm/node/1", f"{_node_id()}|{os.getpid()}|1")
+
+    def boom(*a):
+        raise RuntimeError("store went away")
+    monkeypatch.setattr(ShmAllToAll, "_collect", staticmethod(boom))
+    with pytest.raises(RuntimeError, match="store went away"):
+        ShmAllToAll.setup(store, 0, 2, timeout_s=5.0, slot_bytes=1024)
+    name = store.get("moeray/shm/name").decode()
+    assert name.startswith("moeray_") and not os.path.exists(f"/dev/shm/{name}")
