@@ -359,15 +359,15 @@ def test_client_disconnect_mid_stream_frees_kv(llm):
 
 
 def test_huge_prompt_refused_untokenized_while_others_stream(client, llm):
-    """A 4 MiB prompt is refused by its length alone (tokenizing it would hold the GIL for seconds): 400 naming
-    `prompt` and the character limit, and a stream running beside it completes."""
+    """A 3 MiB prompt (under the 4 MiB body limit) is refused by its length alone (tokenizing it would hold the GIL
+    for seconds): 400 naming `prompt` and the character limit, and a stream running beside it completes."""
     import concurrent.futures as cf
 
     limit = llm.router.max_prompt_chars
-    assert limit < 4 << 20
+    assert limit < 3 << 20
     with cf.ThreadPoolExecutor(1) as ex:
         running = ex.submit(lambda: complete(client, max_tokens=24, stream=True))
-        r = client.post("/v1/completions", json={"prompt": "x" * (4 << 20), "max_tokens": 4})
+        r = client.post("/v1/completions", json={"prompt": "x" * (3 << 20), "max_tokens": 4})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "prompt" and f"{limit} characters" in err["message"]

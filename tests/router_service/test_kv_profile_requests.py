@@ -13,6 +13,7 @@ import pytest
 
 from actors.engine.sampling import SamplingParams, served_kv_profiles
 from cluster.config import DEFAULT_MODEL
+from router_service.admission import PromptAdmission
 from router_service.errors import InvalidRequestError
 from router_service.grpc.server import start_grpc_server
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
@@ -120,13 +121,12 @@ def test_llm_generate_unknown_profile_is_an_error_output(llm):
 
 
 def test_full_precision_router_refuses_a_named_profile(llm):
-    # Router.validate against a full-precision deployment of the same model (no second cluster needed)
-    fp = SimpleNamespace(tokenizer=llm.router.tokenizer, vocab_size=llm.router.vocab_size,
-                         encode=lambda text, field="prompt": llm.router.tokenizer.encode(text).ids,
-                         cfg=SimpleNamespace(model=DEFAULT_MODEL, max_model_len=256, engine_options={}))
-    assert Router.validate(fp, PROSE, greedy(kv_profile="auto"))
+    # the router's prompt checks against a full-precision deployment of the same model (no second cluster needed)
+    fp = PromptAdmission(llm.router.tokenizer, llm.router.vocab_size,
+                         SimpleNamespace(model=DEFAULT_MODEL, max_model_len=256, engine_options={}))
+    assert fp.validate(PROSE, greedy(kv_profile="auto"))
     with pytest.raises(InvalidRequestError, match="needs a quantized KV cache") as ei:
-        Router.validate(fp, PROSE, greedy(kv_profile="prose"))
+        fp.validate(PROSE, greedy(kv_profile="prose"))
     assert ei.value.field == "kv_profile"
     misses = served_kv_profiles.cache_info().misses
     for _ in range(5):  # the served names are resolved once per deployment, not per request
