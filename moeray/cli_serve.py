@@ -14,7 +14,9 @@ The API key, if any, comes from --api-key or $MOERAY_API_KEY.
 Ray token authentication: when this command starts its own local Ray (no --address / $RAY_ADDRESS, or
 the address `local`), it starts it with RAY_AUTH_MODE=token unless RAY_AUTH_MODE is already set (Ray
 then generates a token in ~/.ray/auth_token, or uses $RAY_AUTH_TOKEN / $RAY_AUTH_TOKEN_PATH); to join
-a cluster, set RAY_AUTH_MODE and RAY_AUTH_TOKEN as that cluster requires.
+a cluster, set RAY_AUTH_MODE and RAY_AUTH_TOKEN as that cluster requires. On a cluster the app is this command's:
+a failed deploy is deleted before it exits, and a cluster-side watchdog (`router_service.serve.watchdog`) deletes
+the app once this command stops renewing its lease (killed by any signal); `--detach` leaves the app running.
 """
 from __future__ import annotations
 
@@ -46,6 +48,9 @@ def add_parser(sub) -> None:
                    help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
+    p.add_argument("--detach", action="store_true",
+                   help="with --address: exit once the app is up and leave it running on the cluster (without it, "
+                        "a cluster-side watchdog deletes the app within 30 s of this command's end, SIGKILL included)")
     p.add_argument("--http-via", choices=("replica", "proxy"), default="replica",
                    help="replica: the Serve replica serves HTTP itself on --http-port (no proxy hop per streamed "
                         "event; Serve still manages the replica); proxy: through Ray Serve's HTTP proxy")
@@ -67,6 +72,9 @@ def _validate(a) -> str | None:
             return f"--{name.replace('_', '-')}={v} must be in [0, 65535]"
     if a.grpc_proxy and (a.http_port == 0 or a.grpc_port == 0):
         return "--grpc-proxy needs Serve and a gRPC port: --http-port and --grpc-port must be > 0"
+    if a.detach and (a.http_port == 0 or owns_local_ray(a.address or os.environ.get("RAY_ADDRESS"))):
+        return "--detach needs --address (or $RAY_ADDRESS) and --http-port > 0: a private Ray or a gRPC-only " \
+               "server ends with this command"
     if a.ranks is not None and a.ranks < 1:
         return f"--ranks={a.ranks} must be >= 1"
     if a.max_body_bytes < 0:
@@ -185,7 +193,8 @@ def cmd_serve(a) -> int:
     from router_service.http.models import ServeAppArgs
     from router_service.serve.deployment import GRPC_SERVICER_FUNCTION, build_app, wait_ready
 
-    init_ray(a.address or os.environ.get("RAY_ADDRESS"))
+    address = a.address or os.environ.get("RAY_ADDRESS")
+    init_ray(address)
     import torch
 
     ranks = a.ranks or (torch.cuda.device_count() or 2)  # as LLM / ClusterConfig.auto: one per GPU, else 2
@@ -200,30 +209,51 @@ def cmd_serve(a) -> int:
     if a.grpc_proxy:
         grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
                         "request_timeout_s": 600}
-    if not direct:
-        serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
-    elif a.grpc_proxy:  # the proxies carry gRPC; their HTTP side gets a loopback port nobody needs to know
-        serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, grpc_options=grpc_options)
-    else:
-        serve.start(proxy_location="Disabled")
-    # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
-    app = build_app(args)
+    lease = None
+    if not owns_local_ray(address):  # a cluster outlives this command: a watchdog deletes the app once it is gone
+        from router_service.serve.watchdog import Lease, serve_running
+
+        # before Serve and the app exist: a command killed while deploying leaves nothing behind either
+        lease = Lease(APP, owns_serve=not serve_running()).start()
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)  # SIGTERM while deploying: tear down as after an error
     # serve.run re-enters serve.start, which logs "Connecting to existing Serve app ... New http_options ... will
     # not be applied" about the instance started just above with those very options: drop that one line
     quiet = _DropRecord("New http_options/controller_options will not be applied")
-    logging.getLogger("ray.serve").addFilter(quiet)
     try:
-        serve.run(app, name="moeray", route_prefix="/", blocking=False)
-    finally:
+        if not direct:
+            serve.start(http_options={"host": a.host, "port": a.http_port}, grpc_options=grpc_options)
+        elif a.grpc_proxy:  # the proxies carry gRPC; their HTTP side gets a loopback port nobody needs to know
+            serve.start(http_options={"host": "127.0.0.1", "port": _free_port()}, grpc_options=grpc_options)
+        else:
+            serve.start(proxy_location="Disabled")
+        # one replica (the deployment's default) owns the EP cluster; deploy/serve_config.yaml autoscales instead
+        logging.getLogger("ray.serve").addFilter(quiet)
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
         logging.getLogger("ray.serve").removeFilter(quiet)
-    failed = wait_ready(serve.get_app_handle("moeray"),
-                        say=lambda m: print(f"moeray: {m} ...", file=sys.stderr, flush=True))
+        failed = wait_ready(serve.get_app_handle(APP),
+                            say=lambda m: print(f"moeray: {m} ...", file=sys.stderr, flush=True))
+    except BaseException as e:
+        logging.getLogger("ray.serve").removeFilter(quiet)
+        if lease is None:  # a private local Ray goes with this process anyway
+            raise
+        print(f"moeray: deploy failed ({type(e).__name__}); deleting the app", file=sys.stderr, flush=True)
+        _teardown(serve, lease)
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit (SIGTERM)
+            raise
+        print(f"moeray: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     if failed is not None:
         print(f"moeray: error: {failed}", file=sys.stderr)
-        serve.shutdown()
+        _teardown(serve, lease)
         return 2
     grpc_at = f", gRPC on {'[::] (Serve proxy)' if a.grpc_proxy else a.host}:{a.grpc_port}" if a.grpc_port else ""
     print(f"moeray: HTTP on http://{a.host}:{a.http_port}/v1{grpc_at}", file=sys.stderr, flush=True)
+    if a.detach:
+        lease.release()
+        print(f"moeray: detached: app {APP!r} outlives this command; stop it with `serve shutdown -a "
+              f"http://<head>:8265` (all of Serve, via the Ray dashboard) or, in Python, "
+              f"`ray.init(address={address!r}); serve.delete({APP!r})`", file=sys.stderr, flush=True)
+        return 0
     try:
         _wait_for_signal()
         # in a thread: Serve's handle lookup has no timeout of its own (seen blocking when the app never came up)
@@ -233,8 +263,29 @@ def cmd_serve(a) -> int:
         if t.is_alive():
             print("moeray: drain did not answer; shutting down", file=sys.stderr)
     finally:
-        serve.shutdown()
+        _teardown(serve, lease)
     return 0
+
+
+APP = "moeray"  # the Serve application name
+
+
+def _teardown(serve, lease) -> None:
+    """The way out of `cmd_serve`: a private local Ray's Serve is shut down; on a cluster (`lease` set) the app is
+    deleted, Serve too if this command started it and nothing else runs on it, then the watchdog is ended (it
+    finishes the job if this command is killed meanwhile). An app another command took over is left alone."""
+    if lease is None:
+        serve.shutdown()
+        return
+    from router_service.serve.watchdog import teardown
+
+    if not lease.lost.is_set():
+        teardown(APP, lease.owns_serve)
+    lease.release()
+
+
+def _exit_on_sigterm(*_) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
 
 
 DRAIN_S = 30.0  # seconds requests in flight may run on after SIGINT / SIGTERM

@@ -22,11 +22,20 @@ def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv, msg):
     assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [[], ["--address", "127.0.0.11:6379", "--http-port", "0"]])
+def test_detach_needs_a_cluster_and_serve(tiny_model_dir, capsys, monkeypatch, argv):
+    """`--detach` on a private local Ray, or without Serve (a gRPC-only server in this process): nothing could
+    outlive the command, so it is refused (exit 2) before Ray."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["serve", "--model", tiny_model_dir("qwen2_moe"), "--detach", *argv]) == 2
+    assert "--detach needs --address (or $RAY_ADDRESS) and --http-port > 0" in capsys.readouterr().err
+
+
 def test_help_lists_the_flags(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = capsys.readouterr().out
-    for flag in ("--model", "--ranks", "--host", "--http-port", "--grpc-port", "--api-key", "--kv-bits",
+    for flag in ("--model", "--ranks", "--host", "--http-port", "--grpc-port", "--api-key", "--detach", "--kv-bits",
                  "--kv-extra-bits", "--kv-profile", "--gating", "--weight-bits", "--max-model-len"):
         assert flag in out
     assert "127.0.0.1" in out
