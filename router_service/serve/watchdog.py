@@ -15,7 +15,8 @@ Ray internals (no job table), and covers a lost node or a hung command as well a
 (max_restarts=-1) if its node dies; the restarted one starts a fresh lease, so a dead command's app still goes.
 
 A new `moeray serve --address` deploying the same app name takes the app over: it ends the earlier watchdog(s)
-of that app (`take_over`), and the earlier command, whose lease is then lost, no longer tears the app down.
+of that app (`take_over`), inheriting the duty to shut Serve down if theirs had it, and the earlier command,
+whose lease is then lost, no longer tears the app down.
 """
 from __future__ import annotations
 
@@ -77,6 +78,10 @@ class Watchdog:
         self._renewed = time.monotonic()
         threading.Thread(target=self._watch, name="moeray-watchdog", daemon=True).start()
 
+    def owns(self) -> bool:
+        """Whether this watchdog's teardown shuts Serve down too (passed on to a command that takes over)."""
+        return self.owns_serve
+
     def renew(self) -> float:
         """Renew the lease; returns its length in seconds."""
         self._renewed = time.monotonic()
@@ -109,7 +114,8 @@ class Lease:
         """Take the app over from earlier watchdogs (`take_over`) and start this command's; returns self."""
         import ray
 
-        take_over(self.app)
+        if take_over(self.app):  # Serve was started by the command this one takes over: it is ours to stop now
+            self.owns_serve = True
         actor = ray.remote(Watchdog).options(num_cpus=0, max_restarts=-1, lifetime="detached", namespace=NAMESPACE,
                                              name=f"{PREFIX}{self.app}-{uuid.uuid4().hex[:8]}")
         self._handle = actor.remote(self.app, self.lease_s, self.owns_serve)
@@ -152,16 +158,21 @@ class Lease:
             pass
 
 
-def take_over(app: str) -> int:
-    """End every watchdog of Serve app `app` (left by an earlier `moeray serve`, alive or not); returns how many."""
+def take_over(app: str) -> bool:
+    """End every watchdog of Serve app `app` (left by an earlier `moeray serve`); returns True if one of them was
+    to shut Serve down as well (its command had started Serve), a duty that passes to the caller."""
     import ray
 
-    n = 0
+    owned = False
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a.get("namespace") == NAMESPACE and a["name"].startswith(f"{PREFIX}{app}-"):
             try:
-                ray.kill(ray.get_actor(a["name"], namespace=NAMESPACE), no_restart=True)
-                n += 1
+                old = ray.get_actor(a["name"], namespace=NAMESPACE)
             except ValueError:  # gone meanwhile
-                pass
-    return n
+                continue
+            try:
+                owned = ray.get(old.owns.remote(), timeout=10) or owned
+            except Exception as e:  # noqa: BLE001 - a dying watchdog: end it all the same
+                log.warning("watchdog %s did not answer: %s", a["name"], e)
+            ray.kill(old, no_restart=True)
+    return owned
