@@ -303,6 +303,8 @@ class ServeAppArgs(BaseModel):
         listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
         answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
     max_body_bytes: HTTP request bodies above this get 413 before they are parsed (default 4 MiB).
+    request_timeout_s: an HTTP request still generating after this many seconds is stopped with 504 (default 600;
+        None: no limit).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -319,5 +321,6 @@ class ServeAppArgs(BaseModel):
     grpc_host: str = "127.0.0.1"
     http_port: int | None = Field(None, ge=0, le=65535)
     max_body_bytes: int = Field(4 << 20, ge=0)
+    request_timeout_s: float | None = Field(600.0, gt=0)
     http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

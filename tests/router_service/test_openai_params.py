@@ -367,3 +367,33 @@ def test_output_changing_fields_not_implemented_get_400(client, router, field, v
             "repetition_penalty": 1.0, "min_tokens": 0, "min_p": 0.0}
     if field in noop:
         assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, field: noop[field]}).status_code == 200
+
+
+class SilentRouter(FakeRouter):
+    """Requests that never produce an output (a rank that stopped answering)."""
+
+    def __init__(self, model_dir):
+        super().__init__(model_dir)
+        self.aborted: list[str] = []
+
+    def submit(self, prompt, params, request_id):
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        s = self.streams[request_id] = RequestStream(self, request_id, prompt, 0, len(ids), len(ids) + params.max_tokens)
+        return s
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_a_request_past_the_timeout_gets_504_and_is_aborted(tiny_moe_dir):
+    router = SilentRouter(tiny_moe_dir)
+    with TestClient(create_app(router, model_name=MODEL, request_timeout_s=0.2)) as c:
+        r = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+        assert "request timeout (0.2 s" in r.json()["error"]["message"]
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == 504 and events[-1] == "[DONE]"
+    assert len(router.aborted) == 2  # both stopped on their ranks
+    with pytest.raises(ValueError, match="request_timeout_s=0"):
+        create_app(router, request_timeout_s=0)
