@@ -101,3 +101,36 @@ def test_bad_controls_are_400_naming_the_field(client, path, extra, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"], err
+
+
+def test_grpc_controls_equal_transformers_processors(router):
+    import grpc
+
+    from actors.engine.sampling import SamplingParams
+    from router_service.grpc.server import start_grpc_server
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+    from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+
+    ids = router.tokenizer.encode(PROMPT).ids
+    bias = {ids[1]: 6.0, 0: 100.0}
+    p = SamplingParams(temperature=0, max_tokens=6, presence_penalty=-0.5, frequency_penalty=1.1,
+                       repetition_penalty=0.8, logit_bias=bias, min_tokens=5)
+    want = _hf_greedy(ids, 5, p)  # then EOS (biased +100) ends it: 5 tokens, "stop"
+    srv = start_grpc_server(router, host="127.0.0.1", port=0)
+    ch = grpc.insecure_channel(srv.address)
+    try:
+        stub = pb_grpc.MoerayStub(ch)
+        sp = pb.SamplingParams(temperature=0, max_tokens=6, presence_penalty=-0.5, frequency_penalty=1.1,
+                               repetition_penalty=0.8, logit_bias=bias, min_tokens=5)
+        resps = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sp), timeout=60))
+        assert [t for r in resps for t in r.token_ids] == want
+        assert resps[-1].finish_reason == pb.FINISH_REASON_STOP
+        for bad, field in ((pb.SamplingParams(logit_bias={router.vocab_size: 1.0}), "logit_bias"),
+                           (pb.SamplingParams(max_tokens=2, min_tokens=3), "min_tokens"),
+                           (pb.SamplingParams(presence_penalty=2.5), "presence_penalty")):
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Generate(pb.GenerateRequest(text=PROMPT, sampling=bad), timeout=60))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(field)
+    finally:
+        ch.close()
+        srv.stop()
