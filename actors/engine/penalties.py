@@ -11,9 +11,10 @@ and `MinTokensLogitsProcessor`, then `apply_penalties`), per row of raw logits x
   4. x[t] -= frequency * count[t] + presence * (count[t] > 0), count over the generated tokens (OpenAI's API
      reference, "Frequency and presence penalties").
 Per-sequence state (`SequenceControls`) is kept incrementally: the tokens generated since the last step update
-dense [V] int32 token counts (step 4) and a [V] bool mask of the prompt + output tokens (step 3), so a step
-costs O(V) per controlled row whatever the output length (the batched ops over the P rows); rows without controls are not touched (the sampler skips this
-module entirely when no row of the step has any).
+dense [V] fp32 token counts and step 4's term (frequency * count + presence * (count > 0), recomputed only for
+the new tokens), and a [V] bool mask of the prompt + output tokens (step 3, applied to the masked tokens only,
+gathered and scattered), so a step costs O(V) per controlled row whatever the output length. Rows without
+controls are not touched: the sampler skips this module entirely when no row of the step has any.
 Shape legend: P = controlled rows, V = vocab.
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ class SequenceControls:
         eos: the model's EOS ids (masked by min_tokens unless `params.ignore_eos`).
     """
 
-    __slots__ = ("params", "prompt_ids", "output_ids", "stop_ids", "bias_ids", "bias_vals", "seen", "counts", "done", "V")
+    __slots__ = ("params", "prompt_ids", "output_ids", "stop_ids", "bias_ids", "bias_vals", "seen", "counts", "pen", "done", "V")
 
     def __init__(self, params, prompt_ids: list[int], output_ids: list[int], eos: set[int]):
         self.params, self.prompt_ids, self.output_ids = params, prompt_ids, output_ids
@@ -39,7 +40,8 @@ class SequenceControls:
         lb = params.logit_bias or {}
         self.bias_ids = np.asarray(list(lb), dtype=np.int64)
         self.bias_vals = np.asarray(list(lb.values()), dtype=np.float32)
-        self.seen = self.counts = None  # [V] bool (prompt + output tokens), [V] int32 (output token counts)
+        self.seen = None  # [V] bool: prompt + output tokens (repetition_penalty)
+        self.counts = self.pen = None  # [V] fp32: output token counts; frequency * count + presence * (count > 0)
         self.done = 0  # output tokens already counted
         self.V = 0  # vocab size the arrays were built for (0: not yet)
 
@@ -59,7 +61,7 @@ class SequenceControls:
                 self.seen = np.zeros(V, dtype=bool)
                 self.seen[np.asarray(self.prompt_ids, dtype=np.int64)] = True
             if p.presence_penalty or p.frequency_penalty:  # counts are over the output only
-                self.counts = np.zeros(V, dtype=np.int32)
+                self.counts, self.pen = np.zeros(V, dtype=np.float32), np.zeros(V, dtype=np.float32)
         new = self.output_ids[self.done:]
         if not new:
             return
@@ -67,7 +69,10 @@ class SequenceControls:
         if self.seen is not None:
             self.seen[new] = True
         if self.counts is not None:
-            np.add.at(self.counts, np.asarray(new, dtype=np.int64), 1)
+            fr, pr = np.float32(p.frequency_penalty), np.float32(p.presence_penalty)
+            for t in new:  # each new token's term, recomputed from its count
+                self.counts[t] += 1
+                self.pen[t] = fr * self.counts[t] + pr
 
 
 def apply_controls(x: np.ndarray, rows: list[int], ctl: list[SequenceControls]) -> None:
@@ -89,15 +94,21 @@ def apply_controls(x: np.ndarray, rows: list[int], ctl: list[SequenceControls]) 
         ri = np.concatenate([np.full(ctl[j].stop_ids.size, j) for j in m])
         xp[ri, np.concatenate([ctl[j].stop_ids for j in m])] = -np.inf
     rp = [j for j, c in enumerate(ctl) if c.seen is not None]
-    if rp:
-        sub = xp[rp]
-        seen = np.stack([ctl[j].seen for j in rp])
-        pen = np.asarray([ctl[j].params.repetition_penalty for j in rp], dtype=np.float32)[:, None]
-        xp[rp] = np.where(seen, np.where(sub > 0, sub / pen, sub * pen), sub)
-    fp = [j for j, c in enumerate(ctl) if c.counts is not None]
+    if rp:  # on the seen tokens only: gather, divide or multiply, scatter
+        whole = len(rp) == len(ctl)
+        sub = xp if whole else xp[rp]
+        flat = sub.reshape(-1)
+        at = np.flatnonzero(np.stack([ctl[j].seen for j in rp]))
+        pen = np.asarray([ctl[j].params.repetition_penalty for j in rp], dtype=np.float32)[at // V]
+        v = flat[at]
+        flat[at] = np.where(v > 0, v / pen, v * pen)
+        if not whole:
+            xp[rp] = sub
+    fp = [j for j, c in enumerate(ctl) if c.pen is not None]
     if fp:
-        cnt = np.stack([ctl[j].counts for j in fp])
-        fr = np.asarray([ctl[j].params.frequency_penalty for j in fp], dtype=np.float32)[:, None]
-        pr = np.asarray([ctl[j].params.presence_penalty for j in fp], dtype=np.float32)[:, None]
-        xp[fp] -= fr * cnt + pr * (cnt > 0)
+        pen = np.stack([ctl[j].pen for j in fp])  # [F, V] fp32
+        if len(fp) == len(ctl):
+            xp -= pen
+        else:
+            xp[fp] -= pen
     x[r] = xp

@@ -191,3 +191,12 @@ def test_stop_strings_wait_for_min_tokens():
 def test_bad_controls_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}"):
         SamplingParams(max_tokens=16, **kw)
+
+
+def test_controls_cross_the_wire_to_the_rank():
+    """Router -> rank: the msgpack `GenerateRequest` carries the controls (logit_bias keys stay token ids)."""
+    p = SamplingParams(max_tokens=9, presence_penalty=0.25, frequency_penalty=-1.0, repetition_penalty=1.1,
+                       logit_bias={7: -2.5, 4095: 100.0}, min_tokens=9, stop_token_ids=[3])
+    got = GenerateRequest.decode(GenerateRequest(request_id="a", prompt_ids=[1], params=p.to_dict()).encode())
+    assert SamplingParams.from_dict(got.params) == p
+    assert SamplingParams(logit_bias={"12": 1}).logit_bias == {12: 1.0}  # JSON-style keys are parsed
