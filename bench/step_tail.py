@@ -9,7 +9,8 @@ step thread's CPU time (`time.thread_time`), so other processes on a shared mach
     python bench/step_tail.py --seqs 64 --modes stop
 
 Modes: greedy (temperature 0); temp (temperature 1, seeded); sampled (temperature 0.8, top_k 50, top_p 0.9, seeded); stop (greedy + two stop
-strings that never match, so every token runs the held-back search). EOS is ignored so every sequence runs to
+strings that never match, so every token runs the held-back search); penalties (greedy + presence, frequency and
+repetition penalties and a 10-entry logit_bias on every sequence: `actors.engine.penalties`). EOS is ignored so every sequence runs to
 max_tokens. Prints one line per (mode, seqs): mean and median tail per step in microseconds.
 To compare two versions, run this script from both checkouts alternately (timings are noisy on a shared machine).
 """
@@ -37,6 +38,8 @@ MODES = {
     "temp": dict(temperature=1.0, seed=1),
     "sampled": dict(temperature=0.8, top_k=50, top_p=0.9, seed=1),
     "stop": dict(temperature=0.0, stop=["<<never>>", "qqzzqq"]),
+    "penalties": dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                      logit_bias={t: 1.0 for t in range(100, 110)}),
 }
 
 

@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
                         "4096 at max_model_len 1024)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
+    p.add_argument("--request-timeout-s", type=float, default=600.0,
+                   help="an HTTP request still generating after this many seconds is stopped with 504 (default 600)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--detach", action="store_true",
@@ -79,6 +81,8 @@ def _validate(a) -> str | None:
         return f"--ranks={a.ranks} must be >= 1"
     if a.max_body_bytes < 0:
         return f"--max-body-bytes={a.max_body_bytes} must be >= 0"
+    if not a.request_timeout_s > 0:
+        return f"--request-timeout-s={a.request_timeout_s} must be > 0"
     if not os.path.isfile(os.path.join(a.model, "config.json")):
         return f"--model={a.model!r}: no config.json there"
     return None
@@ -204,11 +208,11 @@ def cmd_serve(a) -> int:
                         grpc_port=a.grpc_port if in_replica else None, grpc_host=a.host,
                         http_port=a.http_port if direct else None, http_host=a.host,
                         served_model_name=a.served_model_name, max_body_bytes=a.max_body_bytes,
-                        cluster_options=a.cluster_kw)
+                        request_timeout_s=a.request_timeout_s, cluster_options=a.cluster_kw)
     grpc_options = None
     if a.grpc_proxy:
         grpc_options = {"port": a.grpc_port, "grpc_servicer_functions": [GRPC_SERVICER_FUNCTION],
-                        "request_timeout_s": 600}
+                        "request_timeout_s": a.request_timeout_s}
     lease = None
     if not owns_local_ray(address):  # a cluster outlives this command: a watchdog deletes the app once it is gone
         from router_service.serve.watchdog import Lease, serve_running

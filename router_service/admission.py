@@ -49,7 +49,7 @@ class PromptAdmission:
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of `prompt` (text or ids). Raises InvalidRequestError naming the field (`prompt`,
-        `max_tokens`, `kv_profile`), the value and the limit."""
+        `max_tokens`, `logit_bias` ids outside the vocabulary, `kv_profile`), the value and the limit."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "prompt is empty")
@@ -67,6 +67,9 @@ class PromptAdmission:
         if len(ids) + params.max_tokens > L:
             raise InvalidRequestError("max_tokens", f"max_tokens={params.max_tokens} exceeds the context window "
                                                     f"({L} - {len(ids)} prompt tokens = {L - len(ids)})")
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("logit_bias", f"logit_bias: token id {bad} out of range [0, {self.vocab_size})")
         try:  # against the KV profiles the ranks loaded (same model folder and engine options; cached)
             params.check_kv_profile(self.cfg.model, self.cfg.engine_options)
         except ValueError as e:

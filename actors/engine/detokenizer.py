@@ -99,11 +99,15 @@ def take_token(seq, tok: int, eos: set[int], max_model_len: int) -> tuple[list[i
 
 
 class IncrementalDetokenizer:
-    """Per-sequence state: `add(token_id) -> (delta_text, stopped)`; `flush() -> delta_text`."""
+    """Per-sequence state: `add(token_id) -> (delta_text, stopped)`; `flush() -> delta_text`. Stop strings are
+    looked for once more than `min_tokens` tokens were added (vLLM's `min_tokens`): the text of the first
+    min_tokens tokens is released as it comes, and a stop string ending there does not stop."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, min_tokens: int = 0):
         self.tok = tokenizer
         self.stop = list(stop or [])
+        self.min_tokens, self.added = min_tokens, 0
+        self._floor = 0  # a stop string must end after this char: the text of the first min_tokens tokens
         self.ids: list[int] = []  # token ids so far, kept only without a bytes table (whole re-decodes)
         self.text = ""  # decoded text so far (complete characters only); with stop strings only (else unused)
         self.sent = 0  # chars of `text` already released
@@ -114,6 +118,7 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, not yet final (it ends with U+FFFD, which a later byte may still explain)
 
     def add(self, token_id: int) -> tuple[str, bool]:
+        self.added += 1
         if self._table is None:
             self.ids.append(token_id)
             return self._add_full()
@@ -143,9 +148,12 @@ class IncrementalDetokenizer:
 
     def _after_text(self) -> tuple[str, bool]:
         """`text` grew: end at the first stop string, else release all but a possible stop string's start."""
+        if self.added <= self.min_tokens:
+            self._floor = len(self.text)
+            return self._release(len(self.text)), False
         # search only the region that could contain a new match
         start = max(0, self.sent - self._max_stop)
-        hits = [i for s in self.stop if (i := self.text.find(s, start)) != -1]
+        hits = [i for s in self.stop if (i := self.text.find(s, max(start, self._floor - len(s) + 1))) != -1]
         if hits:
             self.text = self.text[: min(hits)]
             self.stopped = True

@@ -27,6 +27,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer, take_token
 from actors.engine.eplb import PlacementMixin
 from actors.engine.logprobs import step_logprobs
+from actors.engine.penalties import SequenceControls
 from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.experts import Experts, local_experts
@@ -146,10 +147,11 @@ class RankEngine(PlacementMixin):
             self._kv_profile_of[req.request_id] = self.cache.choose_profile(params.kv_profile, text)
         elif params.kv_profile not in (None, KV_PROFILE_AUTO):
             raise ValueError(f"kv_profile={params.kv_profile!r} needs a quantized KV cache (kv_bits is unset)")
-        gen = make_generator(params.seed) if params.temperature > 0 else None
         seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=params,
-                       detok=IncrementalDetokenizer(self.tokenizer, params.stop), generator=gen, arrival=req.arrival,
+                       generator=make_generator(params.seed) if params.temperature > 0 else None,
+                       detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens), arrival=req.arrival,
                        prompt_lp=None if params.prompt_logprobs is None else [None])
+        seq.controls = SequenceControls.of(params, seq.prompt_ids, seq.output_ids, self.eos)
         with self._lock:
             self._inbox.append(seq)
 
@@ -186,9 +188,8 @@ class RankEngine(PlacementMixin):
             self._free_slots.append(slot)
 
     def fail_all(self, err: str) -> list[TokenOutput]:
-        """Fail every request this engine holds (queued, waiting or running) after a fatal error (a dead peer, a
-        bug): their KV blocks and per-request state are freed. Returns one `finish_reason="error"` output with
-        `err` per request, for the caller to send."""
+        """Fail every request this engine holds (queued, waiting or running) after a fatal error (a dead peer, a bug),
+        freeing their KV blocks and per-request state. Returns one `finish_reason="error"` output with `err` each."""
         self._drain_inbox()
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         outs = []
@@ -205,8 +206,7 @@ class RankEngine(PlacementMixin):
         return self.run(self.plan())
 
     def plan(self, schedule: bool = True) -> StepPlan:
-        """Take new requests and aborts, schedule this step's batch and build its metadata. schedule=False: an
-        empty step (a rank that joins the others' collectives while taking nothing new)."""
+        """Take new requests and aborts, schedule the step and build its metadata. schedule=False: an empty step."""
         t0 = time.perf_counter()
         if schedule:
             self._drain_inbox()
@@ -249,7 +249,8 @@ class RankEngine(PlacementMixin):
                 h = h[plan.logit_rows]
             # decode only: token i is sequence i's one new token, so every row is a last row, in order
             logits = self.model.logits(h).cpu()  # [N + Q, V]: sampled rows, then prompt-scoring rows
-            toks, errors = sample(logits[:len(seqs)], [s.params for s in seqs], [s.generator for s in seqs])
+            toks, errors = sample(logits[:len(seqs)], [s.params for s in seqs], [s.generator for s in seqs],
+                                  [s.controls for s in seqs])  # logit controls: `actors.engine.penalties`
             for i, err in errors.items():  # that request ends; the others keep their tokens (toks[i] = -1)
                 self._end(seqs[i], err=err)
             lps = step_logprobs(logits, seqs, toks, plan.prompt_rows) or [None] * len(seqs)

@@ -26,6 +26,7 @@ import random
 import numpy as np
 import torch
 
+from actors.engine.penalties import SequenceControls, apply_controls
 from actors.engine.sampling import SamplingParams
 
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS). T = 1e-38 would overflow x / T.
@@ -44,13 +45,15 @@ def make_generator(seed: int | None) -> random.Random:
     return random.Random(seed)
 
 
-def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None]
-           ) -> tuple[list[int], dict[int, str]]:
+def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None],
+           controls: list[SequenceControls | None] | None = None) -> tuple[list[int], dict[int, str]]:
     """Pick one token per row of `logits_BV` [B, V] (float, any device; sampled on CPU in fp32), batched.
 
     Args:
         params: one per row (temperature, top_k, top_p are read).
         generators: one per row, `make_generator`'s; only sampled rows' are read (greedy rows' may be None).
+        controls: one per row or None (no row has any): the rows' logit controls (`actors.engine.penalties`),
+            applied to a copy of their logits before everything else; `logits_BV` is never modified.
     Returns:
         (tokens: B ints, -1 for a failed row; errors: row -> message, empty when every row succeeded).
         Never raises for one row: a row whose logits are not finite (nan, +inf, all -inf) or whose params are
@@ -61,14 +64,20 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: li
     if B == 0:
         return [], {}
     x = logits_BV.detach().to("cpu", torch.float32)
+    errors: dict[int, str] = {}
+    crow = [i for i, c in enumerate(controls or ()) if c is not None]
+    if crow:  # only the rows that use controls, on a copy (the caller's logits stay raw, for logprobs)
+        x = x.clone() if x.data_ptr() == logits_BV.data_ptr() else x
+        _controls(x.numpy(), crow, [controls[i] for i in crow], errors)
     best = np.argmax(x.numpy(), axis=1)  # the first maximum (a nan wins)
     mxn = x.numpy()[np.arange(B), best]  # row max: nan if any nan, inf if any inf, -inf if all are
     mx = torch.from_numpy(mxn)
     tokens: list[int] = best.tolist()
     finite = np.isfinite(mxn).tolist()
-    errors: dict[int, str] = {}
     rows, temps, ks, ps, us = [], [], [], [], []
     for i, p in enumerate(params):
+        if i in errors:
+            continue
         if not finite[i]:
             errors[i] = BAD_LOGITS
             continue
@@ -100,6 +109,20 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: li
     for i in errors:
         tokens[i] = -1
     return tokens, errors
+
+
+def _controls(x: np.ndarray, rows: list[int], ctl: list[SequenceControls], errors: dict[int, str]) -> None:
+    """`apply_controls` on x [B, V] (in place) for `rows`, batched; if that raises, row by row, and a row that
+    fails alone gets its error in `errors`."""
+    try:
+        return apply_controls(x, rows, ctl)
+    except Exception:
+        pass
+    for i, c in zip(rows, ctl):
+        try:
+            apply_controls(x, [i], [c])
+        except Exception as e:
+            errors[i] = f"logit controls failed: {e!r:.200}"
 
 
 def _sample_rows(x: torch.Tensor, mx: torch.Tensor, rows: list[int], temps: list[float], ks: np.ndarray,

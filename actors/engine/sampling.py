@@ -10,6 +10,9 @@ from actors.moe.gating import POLICIES
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # top alternatives per token at most (`logprobs`, `prompt_logprobs`), as OpenAI's API
+MAX_LOGIT_BIAS = 300  # `logit_bias` entries at most, as OpenAI's API
+LOGIT_BIAS_LIMIT = 100.0  # a bias is in [-100, 100], as OpenAI's API
+PENALTY_LIMIT = 2.0  # presence / frequency penalties are in [-2, 2], as OpenAI's API and vLLM
 # KV quantization profile names a request may give: the calibration domain ("prose", "code") or "auto".
 # No path separators, so a request can only pick among the profiles the ranks loaded, never name a file.
 MAX_KV_PROFILE_LEN = 64
@@ -31,6 +34,30 @@ def check_kv_profile_name(value) -> None:
     if len(value) > MAX_KV_PROFILE_LEN or not _KV_PROFILE_NAME.fullmatch(value):
         raise ValueError(f"kv_profile={value!r:.80} must be a profile name of 1-{MAX_KV_PROFILE_LEN} letters, "
                          "digits, '_', '-' or '.', starting with a letter or digit (e.g. 'prose', 'code', 'auto')")
+
+
+def parse_logit_bias(v) -> dict[int, float] | None:
+    """`logit_bias` as {token id: bias}: keys ints or decimal strings (JSON object keys), biases numbers in
+    [-100, 100], 300 entries at most; None stays None. Ids against the vocabulary: `router_service.admission`.
+
+    Raises:
+        ValueError: naming `logit_bias`, the bad key or bias and the limit.
+    """
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias: must map token ids to biases, not {type(v).__name__}")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: {len(v)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for k, b in v.items():
+        if isinstance(k, bool) or not (isinstance(k, int) and k >= 0 or isinstance(k, str) and re.fullmatch(r"\d{1,10}", k)):
+            raise ValueError(f"logit_bias: key {k!r:.40} is not a token id (an integer >= 0)")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias: the bias of token {k} is {b!r:.40}; it must be a number in "
+                             f"[-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        out[int(k)] = float(b)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,6 +99,13 @@ class SamplingParams:
     None = off. prompt_logprobs: the same for every prompt token but the first (vLLM's extension); None = off.
     Both are log_softmax of the model's raw logits in fp32 (before temperature / top-k / top-p, vLLM's default
     `raw_logprobs`), computed on the rank (`actors.engine.logprobs`).
+    Logit controls (`actors.engine.penalties`, applied on the rank before temperature / top-k / top-p and greedy
+    argmax; logprobs stay raw): logit_bias: token id -> bias in [-100, 100] added to its logit (300 entries at
+    most); min_tokens: EOS (unless ignore_eos), `stop_token_ids` and stop strings cannot end the output before
+    min_tokens tokens (<= max_tokens); repetition_penalty (> 0, 1 = off; vLLM / HF CTRL semantics over prompt +
+    output tokens): a seen token's logit is divided by it if > 0, else multiplied; presence_penalty and
+    frequency_penalty (in [-2, 2], OpenAI semantics over the generated tokens): logit -= presence * (count > 0)
+    + frequency * count.
 
     Raises:
         ValueError: naming the field, its value and the allowed range.
@@ -89,6 +123,11 @@ class SamplingParams:
     kv_profile: str | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.gating is not None and self.gating not in POLICIES:
@@ -108,12 +147,34 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name}={k!r} must be an integer in [0, {MAX_LOGPROBS}] (or None: off)")
+        self._check_controls()
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}")
         if any((not isinstance(s, str)) or s == "" for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+
+    def _check_controls(self) -> None:
+        """Ranges of the logit controls (`actors.engine.penalties`); ids against the vocabulary are the router's
+        check (`router_service.admission`). Raises ValueError naming the field, the value and the limit."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise ValueError(f"{name}={v!r} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp < float("inf"):
+            raise ValueError(f"repetition_penalty={rp!r} must be a finite number > 0 (1: off)")
+        mt = self.min_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 <= mt <= self.max_tokens:
+            raise ValueError(f"min_tokens={mt!r} must be an integer in [0, max_tokens={self.max_tokens}]")
+        self.logit_bias = parse_logit_bias(self.logit_bias)
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether any logit control is on (`actors.engine.penalties` state is kept for this request)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     def check_kv_profile(self, model_dir: str, engine_options: dict) -> None:
         """Check `kv_profile` against the profiles a cluster serves (`model_dir` and its ranks' `engine_options`,

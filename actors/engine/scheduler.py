@@ -46,6 +46,7 @@ class Sequence:
     arrival: float = 0.0
     # with `params.prompt_logprobs`: [None, then one `TokenLogprob` per prompt token scored so far]; else None
     prompt_lp: list | None = None
+    controls: object | None = None  # its logit-control state (`actors.engine.penalties.SequenceControls`), or None
 
     @property
     def length(self) -> int:

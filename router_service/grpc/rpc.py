@@ -61,12 +61,13 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
     """
     kw: dict = {}
     for name in ("temperature", "top_p", "top_k", "max_tokens", "seed", "gating", "kv_profile", "logprobs",
-                 "prompt_logprobs"):
+                 "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     kw["stop"] = list(sp.stop)
     kw["stop_token_ids"] = list(sp.stop_token_ids)
     kw["ignore_eos"] = sp.ignore_eos
+    kw["logit_bias"] = dict(sp.logit_bias) or None
     try:
         return SamplingParams(**kw)
     except ValueError as e:

@@ -7,8 +7,9 @@ Routes (see `router_service.http.models` for the request fields and their limits
   GET /v1/models, GET /v1/models/{id} (the model card, or 404 `model_not_found`), GET /health (200, or 503 while a rank is down or the EP group is being rebuilt), GET /metrics (Prometheus text)
 Status codes: 400 bad input (`error.param` names the field, `error.message` the value and the limit),
 404 a model not served (`error.code` = `model_not_found`, as OpenAI), 401 missing / wrong API key (`Authorization: Bearer <key>`; /health and /metrics need none), 503 queue
-limit reached (at once, with `Retry-After`) or a rank failed. A client that disconnects mid-stream
-aborts its requests on their ranks (KV blocks freed).
+limit reached (at once, with `Retry-After`), the EP group being built or rebuilt, or a rank failed; 413 a body
+over `max_body_bytes`; 504 a request still generating after `request_timeout_s` (in-band in a stream). A client
+that disconnects mid-stream aborts its requests on their ranks (KV blocks freed).
 
 The app is usable with a TestClient, uvicorn, or as the Serve ingress of
 `router_service.serve.deployment.MoerayServer`.
@@ -34,12 +35,13 @@ from router_service.errors import InvalidRequestError, ModelNotFoundError
 from router_service.http.body_limit import BodyLimit
 from router_service.grpc.rpc import api_key_ok, params_error_field
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
-from router_service.http.serving import OpenAIServer, _Reject, error_response, model_not_found
+from router_service.http.serving import OpenAIServer, RequestTimedOut, _Reject, error_response, model_not_found
 from router_service.router import Router
 from router_service.stream import RequestStream
 
 log = logging.getLogger("moeray.http")
 
+REQUEST_TIMEOUT_S = 600.0  # default of `create_app` and --request-timeout-s: seconds a request may generate
 MAX_BODY_BYTES = 4 << 20  # request bodies above this get 413 unparsed (default of `create_app` and --max-body-bytes)
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|nullable|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*)")
 
@@ -68,11 +70,13 @@ def _validation_message(err: dict) -> tuple[str, str]:
 
 
 def create_app(router: Router, *, model_name: str | None = None, api_key: str | None = None,
-               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               chat_template: ChatTemplate | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+               request_timeout_s: float | None = REQUEST_TIMEOUT_S) -> FastAPI:
     """The FastAPI app over `router` (usable with a TestClient, uvicorn, or as a Serve ingress).
 
-    max_body_bytes: request bodies above it get 413 before they are parsed (`router_service.http.body_limit`)."""
-    srv = OpenAIServer(router, model_name, api_key, chat_template)
+    max_body_bytes: request bodies above it get 413 before they are parsed (`router_service.http.body_limit`).
+    request_timeout_s: a request still generating after it is stopped with 504 (`OpenAIServer`; None: none)."""
+    srv = OpenAIServer(router, model_name, api_key, chat_template, request_timeout_s)
     app = FastAPI(title="moeray", description="OpenAI-compatible API of an expert-parallel MoE cluster")
     app.state.server = srv
     m = srv.metrics
@@ -176,17 +180,21 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
         views = srv.views(req, streams)  # echo / logprobs / prompt_logprobs; None: none asked
         if not req.stream:
             texts, reasons = [""] * len(streams), [None] * len(streams)
-            async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
-                async for i, o in outs:
-                    if o.finish_reason == "error":
-                        m.requests.labels("http", path, "503").inc()
-                        return error_response(503, o.error or "a rank failed", None, "engine_unavailable",
-                                              {"Retry-After": "1"})
-                    texts[i] += o.text
-                    completion[i] += len(o.token_ids)
-                    reasons[i] = o.finish_reason or reasons[i]
-                    if views is not None:
-                        views[i].add(o)
+            try:
+                async with aclosing(srv.outputs(streams)) as outs:  # closing aborts the others at once on error
+                    async for i, o in outs:
+                        if o.finish_reason == "error":
+                            m.requests.labels("http", path, "503").inc()
+                            return error_response(503, o.error or "a rank failed", None, "engine_unavailable",
+                                                  {"Retry-After": "1"})
+                        texts[i] += o.text
+                        completion[i] += len(o.token_ids)
+                        reasons[i] = o.finish_reason or reasons[i]
+                        if views is not None:
+                            views[i].add(o)
+            except RequestTimedOut as e:
+                m.requests.labels("http", path, "504").inc()
+                return error_response(504, str(e), None, "timeout_error")
             choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
                          "finish_reason": reasons[i]} if chat else
                         {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
@@ -233,21 +241,25 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                     yield event({**base, "object": chunk_obj, "choices": [
                         {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
             failed = False
-            async with aclosing(srv.outputs(streams)) as outs:
-                async for i, o in outs:
-                    if o.finish_reason == "error":
-                        failed = True
-                        yield event({"error": {"message": o.error or "a rank failed", "type": "engine_unavailable",
-                                               "param": None, "code": 503}})
-                        break
-                    completion[i] += len(o.token_ids)
-                    if views is not None:  # the general path: whole chunk dicts
-                        for c in views[i].chunks(i, o):
-                            yield event({**base, "object": chunk_obj, "choices": [c]})
-                        continue
-                    if not o.text and o.finish_reason is None:
-                        continue  # text held back (partial character or possible stop string)
-                    yield token_event(i, o.text, o.finish_reason)
+            try:
+                async with aclosing(srv.outputs(streams)) as outs:
+                    async for i, o in outs:
+                        if o.finish_reason == "error":
+                            failed = True
+                            yield event({"error": {"message": o.error or "a rank failed", "type": "engine_unavailable",
+                                                   "param": None, "code": 503}})
+                            break
+                        completion[i] += len(o.token_ids)
+                        if views is not None:  # the general path: whole chunk dicts
+                            for c in views[i].chunks(i, o):
+                                yield event({**base, "object": chunk_obj, "choices": [c]})
+                            continue
+                        if not o.text and o.finish_reason is None:
+                            continue  # text held back (partial character or possible stop string)
+                        yield token_event(i, o.text, o.finish_reason)
+            except RequestTimedOut as e:
+                failed = True
+                yield event({"error": {"message": str(e), "type": "timeout_error", "param": None, "code": 504}})
             if not failed and req.include_usage:
                 yield event({**base, "object": chunk_obj, "choices": [], "usage": srv.usage(streams, completion, req.n)})
             yield "data: [DONE]\n\n"

@@ -10,19 +10,22 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from actors.engine.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, check_kv_profile_name
+from actors.engine.sampling import (LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, PENALTY_LIMIT,
+                                    SamplingParams, check_kv_profile_name, parse_logit_bias)
 from actors.moe.gating import POLICIES
+from router_service.errors import InvalidRequestError
 
 MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
 MAX_PROMPTS = 256  # prompts in one /v1/completions call at most
 MAX_SEED = 2**63
 # OpenAI / vLLM request fields that change the output and are not implemented yet -> the values that are no-ops
 NOT_YET_SUPPORTED = {
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "repetition_penalty": (1, 1.0), "min_tokens": (0,),
-    "min_p": (0, 0.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
+    "functions": ([],), "function_call": ("none",), "min_p": (0, 0.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
     "structured_outputs": (),
 }
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -83,8 +86,17 @@ class SamplingFields(NullIsDefault):
     kv_profile: str | None = Field(None, description="KV quantization profile of this request (a served profile name "
                                    "such as prose or code, or auto: chosen from the prompt); null = the deployment's "
                                    "default. A name needs a quantized KV cache (--kv-bits); unknown names get 400")
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="not supported: only 0")
+    # logit controls, applied on the rank (`actors.engine.penalties`); logprobs stay those of the raw logits
+    presence_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False,
+                                    description="logit -= presence_penalty if the token was generated (OpenAI)")
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT, allow_inf_nan=False,
+                                     description="logit -= frequency_penalty * times the token was generated (OpenAI)")
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="vLLM's: a prompt or output "
+                                      "token's logit is divided by it if > 0, else multiplied; 1 = off")
+    logit_bias: dict[int, float] | None = Field(None, description=f"token id -> bias in [-{LOGIT_BIAS_LIMIT:g}, "
+                                                f"{LOGIT_BIAS_LIMIT:g}] added to its logit; {MAX_LOGIT_BIAS} at most")
+    min_tokens: int = Field(0, ge=0, description="EOS, stop_token_ids and stop strings end nothing before this many "
+                            "output tokens (vLLM's); <= max_tokens")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's extension: logprobs of "
                                         "every prompt token and its top-k (`router_service.http.logprobs`)")
     user: str | None = None
@@ -98,6 +110,11 @@ class SamplingFields(NullIsDefault):
     def logprob_params(self) -> dict:
         """`SamplingParams.logprobs` / `prompt_logprobs` of this request (completions and chat differ)."""
         return {"prompt_logprobs": self.prompt_logprobs}
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v):
+        return parse_logit_bias(v)  # JSON keys are strings ("50256"); ids vs the vocabulary: the router's check
 
     @field_validator("n")
     @classmethod
@@ -136,12 +153,18 @@ class SamplingFields(NullIsDefault):
         return self.stream_options.include_usage if self.stream_options else False
 
     def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
-        """SamplingParams of choice `index` (a given seed is offset by the index so n > 1 choices differ)."""
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
-                              seed=None if self.seed is None else (self.seed + index) % MAX_SEED,
-                              stop=list(self.stop or []), stop_token_ids=list(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, gating=self.gating, kv_profile=self.kv_profile,
-                              **self.logprob_params())
+        """SamplingParams of choice `index` (a given seed is offset by the index so n > 1 choices differ).
+        Raises InvalidRequestError naming the field (`min_tokens` over `max_tokens`, found only here for chat)."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
+                seed=None if self.seed is None else (self.seed + index) % MAX_SEED, stop=list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos, gating=self.gating,
+                kv_profile=self.kv_profile, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                logit_bias=self.logit_bias or None, min_tokens=self.min_tokens, **self.logprob_params())
+        except ValueError as e:
+            raise InvalidRequestError(re.match(r"\w*", str(e)).group(0) or "sampling", str(e)) from e
 
 
 def _token_ids(v: list, what: str) -> list[int]:
@@ -303,6 +326,8 @@ class ServeAppArgs(BaseModel):
         listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
         answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
     max_body_bytes: HTTP request bodies above this get 413 before they are parsed (default 4 MiB).
+    request_timeout_s: an HTTP request still generating after this many seconds is stopped with 504 (default 600;
+        None: no limit).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -319,5 +344,6 @@ class ServeAppArgs(BaseModel):
     grpc_host: str = "127.0.0.1"
     http_port: int | None = Field(None, ge=0, le=65535)
     max_body_bytes: int = Field(4 << 20, ge=0)
+    request_timeout_s: float | None = Field(600.0, gt=0)
     http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

@@ -54,11 +54,22 @@ class _Reject(Exception):
         self.response, self.reason = response, reason
 
 
+class RequestTimedOut(Exception):
+    """A request ran past the server's request timeout (`OpenAIServer.request_timeout_s`): HTTP 504."""
+
+
 class OpenAIServer:
-    """Request handling over a `Router` (no HTTP framework in here, so handlers stay testable)."""
+    """Request handling over a `Router` (no HTTP framework in here, so handlers stay testable).
+
+    request_timeout_s: a request still generating after this many seconds is stopped (aborted on its rank) and
+    answered 504 (in-band for a stream): no client waits forever on a server that cannot answer (None: no limit).
+    """
 
     def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, request_timeout_s: float | None = None):
+        if request_timeout_s is not None and not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 (or None: no limit)")
+        self.request_timeout_s = request_timeout_s
         self.router = router
         self.model_name = served_model_name(router, model_name)
         self.api_key = api_key or None
@@ -158,21 +169,30 @@ class OpenAIServer:
         """(choice index, output) of all streams as they arrive. The streams are attached to this loop's
         `LoopMailbox`: the router posts a whole rank frame per loop wake-up, no thread per stream. On exit (also
         cancellation: the client went away) every unfinished request is aborted on its rank. Timed and counted
-        under `frontend` ("grpc": the Serve deployment's Generate)."""
+        under `frontend` ("grpc": the Serve deployment's Generate). Raises RequestTimedOut past
+        `request_timeout_s`."""
         mailbox = LoopMailbox.of(asyncio.get_running_loop())
         aq: asyncio.Queue = asyncio.Queue()
         for i, s in enumerate(streams):
             s.attach(mailbox, aq, i)
         left = len(streams)
         timer = self.metrics.observer([s.t0 for s in streams], frontend)  # TTFT, inter-token and end-to-end latency
+        # the deadline is one timer per request that puts a marker in the queue (no per-token wait_for)
+        T = self.request_timeout_s
+        deadline = None if T is None else asyncio.get_running_loop().call_later(T, aq.put_nowait, (-1, None))
         try:
             while left:
                 i, o = await aq.get()
+                if o is None:
+                    raise RequestTimedOut(f"the request ran past the server's request timeout ({T:g} s, "
+                                          f"--request-timeout-s) and was stopped")
                 timer.observe(i, o.token_ids, o.finish_reason)
                 if o.finish_reason is not None:
                     left -= 1
                 yield i, o
         finally:
+            if deadline is not None:
+                deadline.cancel()
             for s in streams:
                 if not s.done.is_set():
                     self.router.abort(s.request_id)

@@ -133,7 +133,8 @@ if serve is not None:
             self.router = Router(cfg, max_queue=self.args.max_queue)
             # not `self.app`: the ingress wrapper owns that name (a read-only property)
             self.http_app = create_app(self.router, model_name=self.args.served_model_name, api_key=self.api_key,
-                                       max_body_bytes=self.args.max_body_bytes)
+                                       max_body_bytes=self.args.max_body_bytes,
+                                       request_timeout_s=self.args.request_timeout_s)
             self.http: OpenAIServer = self.http_app.state.server
             # proxy gRPC calls are timed by `self.http.outputs` (below); the replica's own gRPC server is given
             # the same Metrics, so one /metrics covers both protocols

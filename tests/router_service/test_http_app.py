@@ -235,7 +235,7 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     ({"stop": ["a"] * 17}, "stop", "at most 16"),
     ({"seed": -1}, "seed", "greater than or equal to 0"),
     ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "less than or equal to 0"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
     ({"gating": "fastest"}, "gating", "must be one of exact"),
 ])
 def test_completion_validation_400(client, body, field, limit):
