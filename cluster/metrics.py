@@ -120,6 +120,9 @@ def aggregate_stats(per_rank: list[dict], placement: ExpertPlacement) -> dict:
         "kv_blocks_total": kv_total,
         "kv_blocks_free": kv_free,
         "kv_blocks_used": kv_total - kv_free,
+        # automatic prefix caching (tokens, as vLLM): prompt tokens looked up at admission, of those found cached
+        "prefix_cache_queries": sum(r.get("prefix_cache_queries", 0) for r in per_rank),
+        "prefix_cache_hits": sum(r.get("prefix_cache_hits", 0) for r in per_rank),
         "running": sum(r["running"] for r in per_rank),
         "waiting": sum(r["waiting"] for r in per_rank),
         "routing": aggregate_routing(per_rank, L),

@@ -65,6 +65,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts in chunks mixed into decode steps under --max-num-batched-tokens, "
                         "so running streams keep their pace (off: a prompt is prefilled whole in one step)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="automatic prefix caching: full KV blocks kept by content hash and shared, so a prompt "
+                        "starting with a cached prefix skips its prefill (vLLM's APC; --no-prefix-caching: off)")
     p.add_argument("--kv-cache-bytes", type=int, default=_CLUSTER["kv_cache_bytes"].default,
                    help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default=_CLUSTER["dtype"].default, choices=["float32", "bfloat16", "float16"],
@@ -135,7 +138,8 @@ def engine_kwargs(a) -> dict:
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,
-            "weight_storage": a.weight_storage, "enable_chunked_prefill": a.enable_chunked_prefill}
+            "weight_storage": a.weight_storage, "enable_chunked_prefill": a.enable_chunked_prefill,
+            "enable_prefix_caching": a.prefix_caching}
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
         from actors.moe.gating import GatingConfig

@@ -32,6 +32,8 @@ Two kinds of families live in one `CollectorRegistry`:
       moeray_sequences_running, moeray_sequences_waiting, moeray_requests_in_flight
       moeray_kv_blocks_used, moeray_kv_blocks_free, moeray_kv_blocks_total (used + free = total)
       moeray_ranks_failed
+      moeray_prefix_cache_queries_total, moeray_prefix_cache_hits_total   prompt tokens looked up in the ranks'
+                                                 prefix caches at admission, and of those found cached (tokens)
 The routing families are exported only for layers with a finite value (ranks without the packed-expert
 path report no hit rate or recall). Balancedness follows `cluster.metrics`.
 """
@@ -157,6 +159,11 @@ class ClusterCollector:
             f = g(name, doc)
             f.add_metric([], v)
             yield f
+        for name, doc in (("prefix_cache_queries", "prompt tokens looked up in the prefix cache (tokens)"),
+                          ("prefix_cache_hits", "prompt tokens found in the prefix cache (tokens)")):
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], s.get(name, 0))
+            yield c
 
 
 class RequestObserver:

@@ -31,6 +31,9 @@ class EngineConfig:
     # steps, so running streams keep their pace (actors.engine.scheduler)
     max_batched_tokens: int = 256
     enable_chunked_prefill: bool = True
+    # automatic prefix caching (vLLM's --enable-prefix-caching, on by default): full KV blocks kept by content
+    # hash and shared between sequences (actors.kv.prefix_cache, actors.kv.quantized_prefix)
+    enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default
     kernel_backend: str = "torch"  # "torch" (PyTorch reference) | "triton"
     # KV cache: kv_bits None = full precision; 2/3/4 = quantized with profile `kv_profile`

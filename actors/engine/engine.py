@@ -32,7 +32,7 @@ from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.experts import Experts, local_experts
 from actors.moe.placement import ExpertPlacement
-from actors.kv.paged import PagedKVCache
+from actors.kv.builder import build_kv_cache, build_prefix_cache
 from actors.engine.messages import GenerateRequest, TokenOutput
 from actors.model.model import NO_OBSERVER, MoEModel, RoutingObserver, StepContext
 from actors.engine.sampler import make_generator, sample
@@ -90,9 +90,9 @@ class RankEngine(PlacementMixin):
                               max_positions=cfg.max_model_len)
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
-        self.cache = self._build_kv_cache()
+        self.cache = build_kv_cache(cfg, mc, self.device)
         self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens,
-                                   cfg.enable_chunked_prefill)
+                                   cfg.enable_chunked_prefill, build_prefix_cache(cfg, self.cache))
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
         self.eos = set(mc.eos_token_ids)
         self._lock = threading.Lock()
@@ -103,21 +103,6 @@ class RankEngine(PlacementMixin):
         self.timing = {"steps": 0, "forward_s": 0.0, "schedule_s": 0.0, "sample_s": 0.0, "sync_s": 0.0}
 
     # ------------------------------------------------------------------------ seams
-    def _build_kv_cache(self):
-        """The KV cache behind `actors.kv.paged.KVCache` (full precision unless kv_bits is set)."""
-        cfg, mc, dtype = self.cfg, self.model_cfg, self.cfg.torch_dtype
-        if cfg.kv_bits is not None:
-            from actors.kv.builder import build_engine_kv_cache
-
-            return build_engine_kv_cache(cfg, mc)
-        per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
-        num_blocks = cfg.kv_cache_bytes // per_block
-        need = -(-cfg.max_model_len // cfg.block_size)
-        if num_blocks < need:
-            raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
-                             f"one max_model_len={cfg.max_model_len} sequence needs {need}")
-        return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype, self.device)
-
     def _build_experts(self, weights: dict, local: list[list[int]], router: GatingRouter):
         """(per-layer `Experts`, None for dense layers; the runtime behind them or None), before the model.
 
@@ -150,7 +135,8 @@ class RankEngine(PlacementMixin):
         seq = Sequence(request_id=req.request_id, prompt_ids=list(req.prompt_ids), params=params,
                        generator=make_generator(params.seed) if params.temperature > 0 else None,
                        detok=IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens), arrival=req.arrival,
-                       prompt_lp=None if params.prompt_logprobs is None else [None])
+                       prompt_lp=None if params.prompt_logprobs is None else [None],
+                       kv_profile=self._kv_profile_of.get(req.request_id))
         seq.controls = SequenceControls.of(params, seq.prompt_ids, seq.output_ids, self.eos)
         with self._lock:
             self._inbox.append(seq)
@@ -338,6 +324,7 @@ class RankEngine(PlacementMixin):
             "kv_blocks_admissible": a.num_free,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "comm_s": self.dispatcher.comm_s, **self.timing,
+            **(self.scheduler.prefix.stats() if self.scheduler.prefix is not None else {}),
             "routing": self.model.gating_router.stats(),
         }
         if hasattr(self.cache, "memory_stats"):

@@ -17,6 +17,11 @@ Each step computes at most `max_batched_tokens` new tokens (vLLM's `--max-num-ba
 Admission allocates the blocks of the sequence's whole current length (so a sequence mid-prefill never
 waits for blocks; only decode growth preempts it). A sequence that could never fit is failed, never left to
 wait forever.
+With a prefix cache (`prefix`: actors/kv/prefix_cache.py, actors/kv/quantized_prefix.py) admission first looks
+up the sequence's longest cached prefix: its blocks are shared and the sequence starts at num_cached = the
+cached tokens (at most length - 1, so the last position is computed and sampled); full blocks are committed
+to the cache once computed (every `schedule`, and before a sequence's blocks are freed); cached blocks nobody
+holds are evicted before any running sequence is preempted.
 """
 from __future__ import annotations
 
@@ -47,6 +52,9 @@ class Sequence:
     # with `params.prompt_logprobs`: [None, then one `TokenLogprob` per prompt token scored so far]; else None
     prompt_lp: list | None = None
     controls: object | None = None  # its logit-control state (`actors.engine.penalties.SequenceControls`), or None
+    kv_profile: str | None = None  # the quantized cache's profile for this sequence (part of its block hashes)
+    block_hashes: list = field(default_factory=list)  # prefix-cache hashes of its first full blocks
+    num_committed: int = 0  # blocks (or cache units) committed to the prefix cache
 
     @property
     def length(self) -> int:
@@ -77,12 +85,13 @@ class Scheduler:
         max_num_seqs: running sequences at most. max_batched_tokens: tokens computed per step at most
         (decodes + prefill chunks; without chunking, a prompt longer than this is still admitted alone).
         enable_chunked_prefill: split prefills into chunks that fit the budget left after the decodes.
+        prefix: the rank's prefix cache (None: off).
     Raises:
         ValueError: max_batched_tokens < max_num_seqs (a full decode batch must fit one step).
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, prefix=None):
         if max_batched_tokens < max_num_seqs:
             raise ValueError(f"max_batched_tokens={max_batched_tokens} must be >= max_num_seqs={max_num_seqs}")
         self.alloc = allocator
@@ -90,6 +99,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.chunked = enable_chunked_prefill
+        self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -104,10 +114,20 @@ class Scheduler:
         return -(-n_tokens // self.block_size)
 
     def free(self, seq: Sequence) -> None:
-        """Release every KV block of `seq` (finished, aborted or preempted)."""
+        """Release every KV block of `seq` (finished, aborted or preempted); its computed full blocks stay cached."""
+        if self.prefix is not None and seq.block_table:
+            self.prefix.commit(seq)
+            self.prefix.release(seq)
         self.alloc.free_all(seq.block_table)
         seq.block_table = []
-        seq.num_cached = 0
+        seq.num_cached = seq.num_committed = 0
+
+    def _room(self, need: int, keep=None) -> bool:
+        """Whether `need` blocks can be allocated now, evicting unheld cached prefixes (not `keep`) if that helps."""
+        while need > self.alloc.num_free:
+            if self.prefix is None or not self.prefix.evict_one(keep):
+                return False
+        return True
 
     def abort(self, request_id: str) -> Sequence | None:
         for q in (self.running, self.waiting):
@@ -132,6 +152,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """This step's decodes and prefill chunks (module docstring); sets each one's `num_scheduled`."""
         failed: list[tuple[Sequence, str]] = []
+        if self.prefix is not None:
+            for seq in self.running:  # the last step computed their K/V
+                self.prefix.commit(seq)
         # 1) decode slots for running sequences, newest preempted first when blocks run out; sequences part-way
         #    through their prefill hold the blocks of their whole length already
         decodes: list[Sequence] = []
@@ -143,7 +166,7 @@ class Scheduler:
                 partial.append(seq)
                 continue
             need = self._blocks_for(seq.length) - len(seq.block_table)
-            while need > self.alloc.num_free:
+            while not self._room(need):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -173,12 +196,18 @@ class Scheduler:
                 failed.append((seq, f"sequence of {seq.length} tokens needs {need_blocks} KV blocks; "
                                     f"the cache has {self.alloc.num_blocks}"))
                 continue
-            if need_blocks > self.alloc.num_free or (not self.chunked and prefills and seq.length > budget):
+            cached, shared = self.prefix.match(seq) if self.prefix is not None else (0, [])
+            extra = self.prefix.pin_cost(shared) if shared else 0
+            if (not self._room(need_blocks - len(shared) + extra, keep=(cached, shared))
+                    or (not self.chunked and prefills and seq.length - cached > budget)):
                 break
             self.waiting.popleft()
-            seq.block_table = [self.alloc.allocate() for _ in range(need_blocks)]
-            seq.num_cached = 0
-            seq.num_scheduled = min(seq.length, budget) if self.chunked else seq.length
+            head = self.prefix.acquire(seq, cached, shared) if self.prefix is not None else []
+            seq.block_table = head + [self.alloc.allocate() for _ in range(need_blocks - len(shared))]
+            if self.prefix is not None:
+                self.prefix.attach(seq, cached, self.running)
+            seq.num_cached = cached
+            seq.num_scheduled = min(seq.length - cached, budget) if self.chunked else seq.length - cached
             self.running.append(seq)
             prefills.append(seq)
             budget -= seq.num_scheduled

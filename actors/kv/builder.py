@@ -1,6 +1,7 @@
-"""Build the quantized KV cache of a RankEngine from its EngineConfig: profiles, page size, page count.
+"""Build the KV cache of a RankEngine from its EngineConfig (full precision, or quantized: profiles, page size,
+page count) and its prefix cache (`build_prefix_cache`, on unless `enable_prefix_caching` is off).
 
-Contract: the cache fits `cfg.kv_cache_bytes` (staging rows and profiles first, then whole pages), and its
+Contract: the quantized cache fits `cfg.kv_cache_bytes` (staging rows and profiles first, then whole pages), and its
 pages hold at least one `max_model_len` sequence at the widest width plus the allocator's headroom (what
 it charges for a sequence in flight); otherwise ValueError before any cache tensor is allocated.
 """
@@ -11,8 +12,39 @@ import math
 import torch
 
 from actors.kv.calibration import RECOMMENDED_SINK_TOKENS
+from actors.kv.paged import PagedKVCache
+from actors.kv.prefix_cache import PrefixCache
 from actors.kv.profiles import load_served_profiles
 from actors.kv.quantized import QuantizedPagedKVCache
+
+
+def build_kv_cache(cfg, mc, device: torch.device | str = "cpu"):
+    """The rank's KV cache: `PagedKVCache` in the compute dtype (kv_bits unset) or `build_engine_kv_cache`.
+
+    Raises: ValueError if `cfg.kv_cache_bytes` cannot hold one `max_model_len` sequence.
+    """
+    if cfg.kv_bits is not None:
+        return build_engine_kv_cache(cfg, mc, device=device)
+    dtype = cfg.torch_dtype
+    per_block = PagedKVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    num_blocks = cfg.kv_cache_bytes // per_block
+    need = -(-cfg.max_model_len // cfg.block_size)
+    if num_blocks < need:
+        raise ValueError(f"kv_cache_bytes={cfg.kv_cache_bytes} holds {num_blocks} blocks of {per_block} bytes; "
+                         f"one max_model_len={cfg.max_model_len} sequence needs {need}")
+    return PagedKVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim, dtype, device,
+                        prefix_caching=cfg.enable_prefix_caching)
+
+
+def build_prefix_cache(cfg, cache):
+    """The scheduler's prefix cache over `cache` (None when `cfg.enable_prefix_caching` is off)."""
+    if not cfg.enable_prefix_caching:
+        return None
+    if cfg.kv_bits is not None:
+        from actors.kv.quantized_prefix import QuantizedPrefixCache
+
+        return QuantizedPrefixCache(cache, cfg.gating, max_retained=cfg.max_num_seqs)
+    return PrefixCache(cache.allocator, cfg.block_size, cfg.gating)
 
 
 def build_engine_kv_cache(cfg, mc, *, device: torch.device | str = "cpu") -> QuantizedPagedKVCache:

@@ -3,7 +3,8 @@
 What a block holds: `block_size` (S) consecutive tokens of one sequence, for every layer: k[l][block] and
 v[l][block], [S, Hkv, Dh] in the compute dtype, keys after RoPE. Token i of a sequence lives in block
 `table[i // S]` at offset `i % S`, i.e. flat slot `block * S + offset` (`meta.slot_mapping`).
-Ownership: block ids come from `allocator` (actors/kv/allocator.py); a block's rows are meaningful only while
+Ownership: block ids come from `allocator` (actors/kv/allocator.py; with `prefix_caching` a
+`PrefixCachingAllocator`, actors/kv/prefix_cache.py, which keeps freed full blocks by hash); a block's rows are meaningful only while
 a sequence holds it, and the next holder overwrites them (nothing is cleared on free). This cache has no
 copy-on-write: a block shared by several holders (`BlockAllocator.share`) must not be written while shared.
 
@@ -15,6 +16,7 @@ import torch
 
 from actors.kv.allocator import BlockAllocator
 from actors.kv.interface import KVCache
+from actors.kv.prefix_cache import PrefixCachingAllocator
 from actors.model.attention import paged_attention
 
 
@@ -25,13 +27,13 @@ class PagedKVCache(KVCache):
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", prefix_caching: bool = False):
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = PrefixCachingAllocator(num_blocks) if prefix_caching else BlockAllocator(num_blocks)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -54,7 +54,8 @@ def test_engine_flags_reach_the_cluster_options():
     a = sub.choices["serve"].parse_args(["--kv-bits", "3", "--kv-extra-bits", "2", "4", "--kv-profile", "auto",
                                          "--gating", "sticky", "--gating-option", "sticky_margin=0.1",
                                          "--max-model-len", "512", "--weight-storage", "compute",
-                                         "--max-num-batched-tokens", "128", "--no-enable-chunked-prefill"])
+                                         "--max-num-batched-tokens", "128", "--no-enable-chunked-prefill",
+                                         "--no-prefix-caching"])
     kw = engine_kwargs(a)
     assert kw["max_model_len"] == 512 and kw["max_batched_tokens"] == 128
     opts = kw["engine_options"]
@@ -67,6 +68,9 @@ def test_engine_flags_reach_the_cluster_options():
 
     ec = EngineConfig(**ClusterConfig(**kw).engine_config())  # accepted as is, as a rank takes it
     assert ec.max_batched_tokens == 128 and ec.enable_chunked_prefill is False
+    assert opts["enable_prefix_caching"] is False and ec.enable_prefix_caching is False
+    a = sub.choices["serve"].parse_args([])
+    assert engine_kwargs(a)["engine_options"]["enable_prefix_caching"] is True  # on by default
 
 
 @pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])

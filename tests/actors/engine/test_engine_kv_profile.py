@@ -105,6 +105,7 @@ def test_unknown_profile_is_refused_and_leaves_nothing(qeng):
 
 def test_abort_and_scheduler_reject_leave_no_profile_entry(qeng):
     eng = qeng
+    eng.scheduler.prefix.clear()  # the shared engine's earlier tests left retained prefix-cache sources
     free0 = eng.cache.allocator.num_free
     eng.add_request(_req(eng, "queued", PROSE, kv_profile="code"))
     eng.abort("queued")  # aborted before its first step
@@ -119,6 +120,7 @@ def test_abort_and_scheduler_reject_leave_no_profile_entry(qeng):
     assert set(eng._kv_profile_of) == {"running", "huge"}  # the abort takes effect at the next step
     got = _run(eng)
     assert got["running"][-1] == "abort" and got["huge"] == ["error"]
+    eng.scheduler.prefix.clear()  # retained prefix-cache sources hold their pages until evicted
     assert eng._kv_profile_of == {} and eng.cache.allocator.num_free == free0
     assert eng.stats()["kv_memory"]["kv_sequences"] == 0
 
