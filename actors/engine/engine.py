@@ -314,7 +314,9 @@ class RankEngine(PlacementMixin):
     def stats(self) -> dict:
         """This rank's counters; `kv_memory` (bytes, blocks, effective bits: the cache's `memory_stats()`) only
         when the KV cache reports it (the quantized cache does). kv_blocks_free: blocks no sequence holds
-        (free + used = total; all free when idle). kv_blocks_admissible: what the scheduler may hand out now;
+        (free + used = total; all free when idle, except on a quantized cache with prefix caching: up to
+        max_num_seqs ended sequences stay as prefix sources, `prefix_cache_sources`, until their pages are needed).
+        kv_blocks_admissible: what the scheduler may hand out now;
         below kv_blocks_free on a quantized cache, whose page pool keeps a page in reserve."""
         a = self.cache.allocator
         out = {

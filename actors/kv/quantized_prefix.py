@@ -152,4 +152,4 @@ class QuantizedPrefixCache:
 
     def stats(self) -> dict:
         return {"prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
-                "prefix_cache_blocks": len(self._src)}
+                "prefix_cache_blocks": len(self._src), "prefix_cache_sources": len(self._retained)}
