@@ -46,7 +46,8 @@ class Router:
             answers at once, refusing requests with a retriable `EngineError` (HTTP 503 + Retry-After) and
             reporting `health()` status "starting" until the group is up (placement may wait for nodes; a Serve
             replica must not hang meanwhile), retrying failed attempts; a ValueError (bad configuration) ends
-            the attempts and stays in `health()` ("failed"). max_queue: in-flight requests (running + queued) at most before refusing
+            the attempts and stays in `health()` ("failed").
+        max_queue: in-flight requests (running + queued) at most before refusing
             (None: `default_max_queue(max_model_len)`).
     Raises (from `submit`):
         InvalidRequestError: empty prompt, a text prompt over `max_prompt_chars` characters (refused before it is

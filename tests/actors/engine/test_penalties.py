@@ -16,6 +16,7 @@ from actors.engine.penalties import SequenceControls, apply_controls
 from actors.engine.sampler import make_generator, sample
 from actors.engine.sampling import SamplingParams
 from tests.actors.engine.test_chunked_prefill import _engine
+from tests.actors.engine.test_logprobs import _run
 
 PROMPT = "ROMEO. O, she doth teach the torches to burn bright! It seems she hangs"
 EOS = 0
@@ -82,16 +83,6 @@ def test_no_controls_is_none_and_bad_row_fails_alone():
     assert list(errors) == [1] and "logit controls" in errors[1]  # an id >= V (the router refuses it first)
     assert toks == [int(raw[0].argmax()), -1, int(raw[2].argmin())]
     assert torch.equal(x, raw)  # the caller's logits stay raw
-
-
-def _run(eng, reqs: dict[str, SamplingParams], ids: list[int]) -> dict[str, list]:
-    for k, p in reqs.items():
-        eng.add_request(GenerateRequest(request_id=k, prompt_ids=ids, params=p.to_dict()))
-    outs: dict[str, list] = {k: [] for k in reqs}
-    while eng.has_work:
-        for o in eng.step():
-            outs[o.request_id].append(o)
-    return outs
 
 
 def _tokens(outs: list) -> list[int]:
