@@ -44,6 +44,13 @@ class ClusterConfig:
     # fixed-capacity dispatch) go through shared memory (`actors.rank.shm_collective`); "torch": all via gloo/NCCL
     transport: str = "auto"
     engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
+    # the router's rank choice (router_service/prefix_affinity.py, after Ray Serve LLM's PrefixCacheAffinityRouter):
+    # the rank whose past prompts share the longest prefix with a request, when its requests in flight are within
+    # `imbalanced_threshold` of the least-loaded rank's and the match covers >= `match_rate_threshold` of the
+    # prompt; else the least-loaded rank. Applies only while the ranks' prefix caching is on.
+    prefix_routing: bool = True
+    prefix_routing_imbalanced_threshold: float = 8.0  # requests; Ray's default inf ignores load, its example is 10
+    prefix_routing_match_rate_threshold: float = 0.1  # Ray's default
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
@@ -55,6 +62,7 @@ class ClusterConfig:
                              f"{', '.join(PLACEMENT_STRATEGIES)}")
         if self.transport not in ("auto", "torch"):
             raise ValueError(f"transport={self.transport!r} must be auto or torch")
+        check_prefix_routing(self.prefix_routing_imbalanced_threshold, self.prefix_routing_match_rate_threshold)
         if self.num_cpus_per_rank <= 0:
             raise ValueError(f"num_cpus_per_rank={self.num_cpus_per_rank} must be > 0")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -87,3 +95,12 @@ class ClusterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_prefix_routing(imbalanced_threshold: float, match_rate_threshold: float) -> None:
+    """Raises ValueError unless imbalanced_threshold >= 0 (requests; inf allowed) and match_rate_threshold is in
+    [0, 1] (names the field)."""
+    if not imbalanced_threshold >= 0:
+        raise ValueError(f"prefix_routing_imbalanced_threshold={imbalanced_threshold} must be >= 0 (requests)")
+    if not 0 <= match_rate_threshold <= 1:
+        raise ValueError(f"prefix_routing_match_rate_threshold={match_rate_threshold} must be in [0, 1]")

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig
+from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing
 
 _CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
@@ -68,6 +68,18 @@ def add_engine_args(p) -> None:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="automatic prefix caching: full KV blocks kept by content hash and shared, so a prompt "
                         "starting with a cached prefix skips its prefill (vLLM's APC; --no-prefix-caching: off)")
+    p.add_argument("--prefix-routing", action=argparse.BooleanOptionalAction, default=_CLUSTER["prefix_routing"].default,
+                   help="with prefix caching, the router sends a request to the rank whose past prompts share its "
+                        "longest prefix (in KV blocks) unless that rank is busier than the least-loaded one by more "
+                        "than --prefix-routing-imbalanced-threshold requests (Ray Serve LLM's prefix-aware router); "
+                        "--no-prefix-routing: always the least-loaded rank")
+    p.add_argument("--prefix-routing-imbalanced-threshold", type=float,
+                   default=_CLUSTER["prefix_routing_imbalanced_threshold"].default, metavar="N",
+                   help="requests in flight a rank may have over the least-loaded one and still get a request by "
+                        "prefix affinity (inf: load ignored)")
+    p.add_argument("--prefix-routing-match-rate-threshold", type=float,
+                   default=_CLUSTER["prefix_routing_match_rate_threshold"].default, metavar="R",
+                   help="fraction of the prompt's tokens the longest match must cover to route by it, in [0, 1]")
     p.add_argument("--kv-cache-bytes", type=int, default=_CLUSTER["kv_cache_bytes"].default,
                    help="KV cache budget per rank (bytes)")
     p.add_argument("--dtype", default=_CLUSTER["dtype"].default, choices=["float32", "bfloat16", "float16"],
@@ -109,7 +121,7 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on --max-num-batched-tokens below --max-num-seqs, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
+    Raises ValueError on --max-num-batched-tokens below --max-num-seqs, a prefix-routing threshold out of range, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
     --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
     (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
     expert cache is left at its CPU default of 0."""
@@ -118,6 +130,10 @@ def engine_kwargs(a) -> dict:
     if a.max_num_batched_tokens < a.max_num_seqs:
         raise ValueError(f"--max-num-batched-tokens={a.max_num_batched_tokens} must be >= --max-num-seqs="
                          f"{a.max_num_seqs} (a full decode batch must fit one step)")
+    try:
+        check_prefix_routing(a.prefix_routing_imbalanced_threshold, a.prefix_routing_match_rate_threshold)
+    except ValueError as e:  # the message names the ClusterConfig field; the user typed the flag
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
     if a.resident_experts is not None and a.resident_experts < 1:
         raise ValueError(f"--resident-experts={a.resident_experts} must be >= 1")
     asked = [f for f, on in (("--expert-cache", a.expert_cache is not None),
@@ -134,7 +150,10 @@ def engine_kwargs(a) -> dict:
               "(packed experts run from their packed bytes), so nothing would be prefetched there; pass "
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
-              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=a.placement_strategy)
+              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=a.placement_strategy,
+              prefix_routing=a.prefix_routing,
+              prefix_routing_imbalanced_threshold=a.prefix_routing_imbalanced_threshold,
+              prefix_routing_match_rate_threshold=a.prefix_routing_match_rate_threshold)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,

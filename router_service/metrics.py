@@ -34,6 +34,8 @@ Two kinds of families live in one `CollectorRegistry`:
       moeray_ranks_failed
       moeray_prefix_cache_queries_total, moeray_prefix_cache_hits_total   prompt tokens looked up in the ranks'
                                                  prefix caches at admission, and of those found cached (tokens)
+      moeray_prefix_routed_total                 requests the router sent to a rank by prefix affinity (the rank
+                                                 with the longest cached prefix, router_service/prefix_affinity.py)
 The routing families are exported only for layers with a finite value (ranks without the packed-expert
 path report no hit rate or recall). Balancedness follows `cluster.metrics`.
 """
@@ -160,7 +162,8 @@ class ClusterCollector:
             f.add_metric([], v)
             yield f
         for name, doc in (("prefix_cache_queries", "prompt tokens looked up in the prefix cache (tokens)"),
-                          ("prefix_cache_hits", "prompt tokens found in the prefix cache (tokens)")):
+                          ("prefix_cache_hits", "prompt tokens found in the prefix cache (tokens)"),
+                          ("prefix_routed", "requests routed to the rank with their longest cached prefix")):
             c = CounterMetricFamily(PREFIX + name, doc)
             c.add_metric([], s.get(name, 0))
             yield c

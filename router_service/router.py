@@ -1,4 +1,5 @@
-"""Request router: validate, tokenize, pick the least-loaded rank, stream tokens back, aggregate stats.
+"""Request router: validate, tokenize, pick a rank (prefix-aware, else least-loaded: `router_service.prefix_affinity`),
+stream tokens back, aggregate stats.
 
 Each rank's channel (`router_service.rank_channels`: one TCP connection per rank, a poller thread each) brings
 its `TokenOutput`s, which the router routes to their requests' streams (`router_service.stream`); requests,
@@ -32,6 +33,7 @@ from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
 from router_service.admission import PromptAdmission, default_max_queue
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
+from router_service.prefix_affinity import RankChooser
 from router_service.rank_channels import RankChannels
 from router_service.stream import RequestOutput, RequestStream
 
@@ -39,7 +41,8 @@ log = logging.getLogger("moeray.router")
 
 
 class Router:
-    """Front of the EP cluster: admission and validation at the edge, least-load rank choice.
+    """Front of the EP cluster: admission and validation at the edge, the rank choice (`RankChooser`: the rank
+    likely to hold the longest cached prefix when load allows, else the least-loaded; `cfg.prefix_routing`).
 
     Args:
         cluster: a running `EPCluster`, or a `ClusterConfig` to build one from in the background: the router
@@ -68,7 +71,7 @@ class Router:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
-        self._rank_cost = [0] * self.cfg.ranks
+        self._ranks = RankChooser.for_cluster(self.cfg)  # per-rank load and prefix index
         self._closed = False
         self._gen = 0  # cluster generation: pollers of an older one exit
         self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
@@ -87,6 +90,7 @@ class Router:
 
     def _start_pollers(self) -> None:
         gen = self._gen
+        self._ranks.reset(self.cluster.kv_blocks_per_rank)  # a new EP group: empty caches, nothing in flight
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
                                       lambda reason, detail: self._on_rank_failure(gen, reason, detail))
 
@@ -110,6 +114,7 @@ class Router:
         ids = self.validate(prompt, params)
         rid = request_id or uuid.uuid4().hex
         cost = len(ids) + params.max_tokens
+        hashes = self._ranks.hashes(ids, params)  # outside the lock: one sha256 per block
         with self._lock:
             if self._closed:
                 raise EngineError("router is shut down")
@@ -122,8 +127,7 @@ class Router:
                 raise OverloadedError(f"{len(self._streams)} requests in flight; the queue limit is {self.max_queue}")
             if rid in self._streams:
                 raise InvalidRequestError("request_id", f"request_id={rid!r} is already in flight")
-            rank = min(range(self.cfg.ranks), key=lambda r: (self._rank_cost[r], r))
-            self._rank_cost[rank] += cost
+            rank = self._ranks.choose(hashes, len(ids), cost)
             stream = RequestStream(self, rid, prompt, rank, len(ids), cost)
             self._streams[rid] = stream
         msg = GenerateRequest(request_id=rid, prompt_ids=ids, params=params.to_dict(), arrival=time.time()).encode()
@@ -177,7 +181,7 @@ class Router:
         with self._lock:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                self._rank_cost[stream.rank] -= stream.cost
+                self._ranks.release(stream.rank, stream.cost)
         return stream
 
     def _dispatch(self, outs: list[TokenOutput]) -> None:
@@ -252,7 +256,6 @@ class Router:
         with self._lock:
             if self._closed:
                 return
-            self._rank_cost = [0] * self.cfg.ranks
             self._recovering = None
             if not first:
                 self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
@@ -323,13 +326,15 @@ class Router:
             return len(self._streams)
 
     def stats(self) -> dict:
-        """Cluster stats (see `cluster.metrics`) plus `in_flight` and `recoveries`.
+        """Cluster stats (see `cluster.metrics`) plus `in_flight`, `recoveries` and `prefix_routed` (requests sent
+        to a rank by prefix affinity since start, `RankChooser.routed`).
         Raises EngineError while the EP group is being rebuilt."""
         if self._recovering is not None:
             raise EngineError(f"the EP group is being rebuilt ({self._recovering})")
         s = self.cluster.stats()
         s["recoveries"] = len(self.recoveries)
         s["in_flight"] = self.in_flight
+        s["prefix_routed"] = self._ranks.routed
         return s
 
     def close(self) -> None:

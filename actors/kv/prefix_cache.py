@@ -47,9 +47,15 @@ def chain_hashes(token_ids: list[int], cuts: list[int], salt: bytes = b"", paren
 
 
 def may_hit(seq, default_gating: str) -> bool:
-    """Whether `seq` may skip its cached positions: not with `prompt_logprobs` (every position is scored, as
-    vLLM) nor a stateful gating policy (`sticky`, `velocity`: each token's routing reads the previous one's)."""
-    return seq.params.prompt_logprobs is None and (seq.params.gating or default_gating) not in _STATEFUL
+    """Whether `seq` may skip its cached positions (`params_may_hit` of its params)."""
+    return params_may_hit(seq.params, default_gating)
+
+
+def params_may_hit(params, default_gating: str) -> bool:
+    """Whether a request with these `SamplingParams` may skip cached positions: not with `prompt_logprobs` (every
+    position is scored, as vLLM) nor a stateful gating policy (`sticky`, `velocity`: each token's routing reads the
+    previous one's). The router asks the same before routing by prefix (router_service/prefix_affinity.py)."""
+    return params.prompt_logprobs is None and (params.gating or default_gating) not in _STATEFUL
 
 
 class PrefixCachingAllocator(BlockAllocator):

@@ -84,7 +84,7 @@ def synthetic_stats() -> dict:
             "balance": [{"layer": 0, "expert_balancedness": 0.625, "rank_balancedness": 5 / 7},
                         {"layer": 2, "expert_balancedness": 1.0, "rank_balancedness": 1.0}],
             "kv_blocks_total": 20, "kv_blocks_free": 15, "kv_blocks_used": 5, "running": 2, "waiting": 1,
-            "prefix_cache_queries": 900, "prefix_cache_hits": 768, "in_flight": 4, "routing": {"thrash": [0.4, nan, 0.2], "hit_rate": [0.75, nan, nan],
+            "prefix_cache_queries": 900, "prefix_cache_hits": 768, "prefix_routed": 3, "in_flight": 4, "routing": {"thrash": [0.4, nan, 0.2], "hit_rate": [0.75, nan, nan],
                                         "recall": [0.5, nan, 0.25], "unknown_key": [1.0, 1.0, 1.0]},
             "dispatch_rank_rows": [[4, 6], [0, 0], [10, 10]],
             "ranks": [{"rank": 0}, {"rank": 1, "failed": "boom"}]}
@@ -113,6 +113,7 @@ def test_exporter_families_from_snapshot():
     assert one["moeray_sequences_running"] == 2 and one["moeray_sequences_waiting"] == 1
     assert one["moeray_requests_in_flight"] == 4 and one["moeray_ranks_failed"] == 1
     assert one["moeray_prefix_cache_queries_total"] == 900 and one["moeray_prefix_cache_hits_total"] == 768
+    assert one["moeray_prefix_routed_total"] == 3
 
 
 def test_request_observer_latencies():
