@@ -11,8 +11,14 @@ full-precision KV (the in-process engine: the HTTP path adds the same per-reques
      hit_rate = prefix_cache_hits / prefix_cache_queries of the cached run.
 The first stream of the cached run computes the prefix; the others hit once it has been committed (the step
 after its last prefill chunk), as in vLLM.
+  3. Two ranks (a real 2-rank EP cluster on a local Ray, the router in front; prefix caching on): 8 documents of
+     --doc-tokens tokens, each asked a first question (all 8 submitted at once: the least-loaded rank alternates),
+     then a follow-up question on the same document (all 8 at once, in a shuffled order), with the router's prefix
+     routing on (`--prefix-routing`) and off (`--no-prefix-routing`: least-loaded), each on a fresh cluster.
+     hit_rate_2ranks_* = prefix-cache hits / queries (tokens) of the follow-ups; TTFT: their median.
 
-    python bench/prefix_cache.py --quick     # 1 round; last line: RESULT ttft_hit_ratio=.. shared_prefix_speedup=.. hit_rate=..
+    python bench/prefix_cache.py --quick     # 1 round; last line: RESULT ttft_hit_ratio=.. shared_prefix_speedup=..
+                                             #   hit_rate=.. hit_rate_2ranks_routed=.. hit_rate_2ranks_least_loaded=..
 """
 from __future__ import annotations
 
@@ -67,6 +73,31 @@ def workload(eng, prompts, n_out) -> tuple[float, int]:
     return toks / (time.perf_counter() - t0), toks
 
 
+def two_ranks(routing: bool, docs: list[list[int]], first: list[list[int]], second: list[list[int]]) -> dict:
+    """Follow-up hit rate, median follow-up TTFT (ms) and requests routed by prefix on a fresh 2-rank cluster."""
+    import random
+
+    from actors.engine.sampling import SamplingParams
+    from moeray.api import LLM
+
+    llm = LLM(ranks=2, prefix_routing=routing, kv_cache_bytes=256 * 2**20, max_num_seqs=16, max_batched_tokens=512)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        llm.generate([d + q for d, q in zip(docs, first)], sp)
+        s0 = llm.stats()
+        order = list(range(len(docs)))
+        random.Random(0).shuffle(order)
+        outs = llm.generate([docs[i] + second[i] for i in order], sp)
+        s1 = llm.stats()
+    finally:
+        llm.shutdown()
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs]
+    hits = s1["prefix_cache_hits"] - s0["prefix_cache_hits"]
+    queries = s1["prefix_cache_queries"] - s0["prefix_cache_queries"]
+    return {"hit_rate": hits / max(1, queries), "ttft_ms": 1e3 * statistics.median(o.ttft_s for o in outs),
+            "routed": s1["prefix_routed"] - s0["prefix_routed"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 round")
@@ -75,6 +106,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=900)
     ap.add_argument("--suffix", type=int, default=50)
     ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--doc-tokens", type=int, default=400, help="two-rank part: tokens per document")
     a = ap.parse_args()
     if a.prefix + a.suffix + a.output > 1024:  # the shipped model's max_position_embeddings
         a.output = 1024 - a.prefix - a.suffix
@@ -108,8 +140,27 @@ def main() -> None:
                 hit_rate = st["prefix_cache_hits"] / max(1, st["prefix_cache_queries"])
             print(f"round {r}: {'with' if caching else 'without'} caching {tps:.1f} tok/s ({n} tokens)", flush=True)
     speedup = statistics.median(speed[True]) / statistics.median(speed[False])
+
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one local Ray for both clusters
+    docs = [ids[8000 + i * a.doc_tokens:8000 + (i + 1) * a.doc_tokens] for i in range(8)]
+    qs = [ids[20000 + i * 20:20000 + (i + 1) * 20] for i in range(16)]
+    two = {}
+    try:
+        for routing in (True, False):
+            two[routing] = two_ranks(routing, docs, qs[:8], qs[8:])
+    finally:
+        ray.shutdown()
+    print(f"\ntwo ranks, 8 documents x {a.doc_tokens} tokens, 8 follow-ups sharing them:")
+    print(f"{'routing':<14} {'follow-up hit rate':>18} {'follow-up TTFT ms':>18} {'routed by prefix':>17}")
+    for routing, name in ((True, "prefix-aware"), (False, "least-loaded")):
+        r = two[routing]
+        print(f"{name:<14} {r['hit_rate']:>18.3f} {r['ttft_ms']:>18.0f} {r['routed']:>17d}")
     print(f"RESULT ttft_hit_ratio={statistics.median(ratios):.3f} shared_prefix_speedup={speedup:.2f} "
-          f"hit_rate={hit_rate:.3f}")
+          f"hit_rate={hit_rate:.3f} hit_rate_2ranks_routed={two[True]['hit_rate']:.3f} "
+          f"hit_rate_2ranks_least_loaded={two[False]['hit_rate']:.3f} ttft_2ranks_routed_ms={two[True]['ttft_ms']:.0f} "
+          f"ttft_2ranks_least_loaded_ms={two[False]['ttft_ms']:.0f}")
 
 
 if __name__ == "__main__":

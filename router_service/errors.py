@@ -12,7 +12,7 @@ class InvalidRequestError(ValueError):
 
 class ModelNotFoundError(InvalidRequestError):
     """The request names a model this server does not serve (HTTP 404 `model_not_found`, as OpenAI; gRPC
-    INVALID_ARGUMENT)."""
+    NOT_FOUND)."""
 
     def __init__(self, model: str, served: str):
         super().__init__("model", f"model={model!r} is not served; available: [{served!r}]")

@@ -126,7 +126,8 @@ class RequestStream:
         # a cancel that arrives while the rank is still taking the request is replayed once it has it
         self.admitted = False
         self.abort_pending = False
-        self._sink: tuple | None = None  # (LoopMailbox, asyncio.Queue, key) once `attach`ed
+        self._sink: tuple | None = None  # (LoopMailbox, asyncio.Queue, key) once `attach`ed; (None, queue.Queue,
+        # key) once `attach_queue`d
         self._sink_lock = threading.Lock()
 
     def attach(self, mailbox: LoopMailbox, q: "asyncio.Queue", key) -> None:
@@ -142,6 +143,18 @@ class RequestStream:
             self._sink = (mailbox, q, key)
             if early:  # under the lock: a later output's post cannot overtake them
                 mailbox.post(early)
+
+    def attach_queue(self, q: queue.Queue, key) -> None:
+        """Deliver this stream's outputs as `(key, output)` into the thread-safe `q` from now on (outputs that
+        arrived before first, in order), so one thread can wait on several streams (the gRPC server's batch).
+        Call once, before reading."""
+        with self._sink_lock:
+            while True:
+                try:
+                    q.put((key, self.q.get_nowait()))
+                except queue.Empty:
+                    break
+            self._sink = (None, q, key)
 
     def get(self, timeout: float | None = None) -> TokenOutput:
         """The next output (blocking up to `timeout` s). Raises queue.Empty on timeout."""
@@ -170,6 +183,9 @@ class RequestStream:
             sink = self._sink
             if sink is None:
                 self.q.put(o)
+                return None
+            if sink[0] is None:  # `attach_queue`d
+                sink[1].put((sink[2], o))
                 return None
         return sink[0], (sink[1], sink[2], o)
 

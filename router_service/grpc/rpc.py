@@ -12,8 +12,9 @@ What both guarantee (the logic here is what makes it so):
 - a call that ends early (client cancel, disconnect, deadline) aborts its request on its rank at once,
   so its KV blocks are freed without waiting for the next token (`GenerateCall.close`);
 - bad input -> INVALID_ARGUMENT whose message starts with the field (`max_tokens: max_tokens=5000
-  exceeds the context window ...`); queue limit -> RESOURCE_EXHAUSTED; a rank failure -> UNAVAILABLE
-  (retriable);
+  exceeds the context window ...`); an unserved `model` -> NOT_FOUND (HTTP's 404 model_not_found); queue limit
+  -> RESOURCE_EXHAUSTED; a rank failure -> UNAVAILABLE (retriable);
+- a batch (`GenerateRequest.batch`) is admitted whole or not at all: a refused prompt aborts those submitted;
 - an optional API key, sent as metadata `authorization: Bearer <key>` or `x-api-key: <key>`
   (`Health` needs none, so probes work);
 - client data is parsed as protobuf only (never unpickled).
@@ -23,22 +24,20 @@ from __future__ import annotations
 import hmac
 import os
 import re
-import threading
 import uuid
 from dataclasses import fields
 from typing import Iterable
 
 import grpc
 
-from actors.engine.messages import TokenOutput
 from actors.engine.sampling import SamplingParams
 from router_service.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError
+from router_service.grpc.call import GenerateCall, RpcError
+from router_service.http.models import MAX_PROMPTS
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.router import Router
 from router_service.stream import RequestStream
 
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
-          "error": pb.FINISH_REASON_ERROR}
 _PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 
 
@@ -95,81 +94,6 @@ def presented_key(metadata: Iterable[tuple[str, str]]) -> str | None:
     return key
 
 
-class RpcError(Exception):
-    """The status a call ends with (`code`, a `grpc.StatusCode`, and `details`). Each transport turns it into
-    its own abort: `context.abort` in the standalone server, `grpc_context.set_code` + raise behind Serve."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
-
-    def __reduce__(self):  # Serve carries it from the replica to the proxy; rebuild with both fields
-        return (RpcError, (self.code, self.details))
-
-
-def _token_logprob(token_id: int, e: list) -> pb.TokenLogprob:
-    """A rank's `TokenLogprob` entry ([logprob, rank, top_ids, top_logprobs]) as the proto message."""
-    return pb.TokenLogprob(token_id=token_id, logprob=e[0], rank=e[1],
-                           top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in zip(e[2], e[3])])
-
-
-class GenerateCall:
-    """One `Generate` in flight: turns the request's `TokenOutput`s into `GenerateResponse`s and makes sure
-    the rank lets go of it. `close()` (idempotent, thread-safe) aborts the request unless it already
-    finished; transports call it when the call ends for any reason (cancel, disconnect, deadline, error)."""
-
-    def __init__(self, router: Router, stream: RequestStream, timer=None, metrics=None):
-        self.router, self.stream = router, stream
-        self.timer = timer  # a router_service.metrics.RequestObserver (TTFT / ITL / e2e), or None
-        self.metrics = metrics  # a router_service.metrics.Metrics: the call's end status is counted, or None
-        self.request_id = stream.request_id
-        self.completion = 0  # tokens streamed so far
-        self._finished = threading.Event()
-
-    @property
-    def finished(self) -> bool:
-        return self._finished.is_set()
-
-    def response(self, o: TokenOutput) -> pb.GenerateResponse:
-        """The response for one output; the last one (finish_reason set) carries usage.
-
-        Raises:
-            RpcError: UNAVAILABLE when the rank failed (`finish_reason == "error"`; retriable).
-        """
-        if self.timer is not None:
-            self.timer.observe(0, o.token_ids, o.finish_reason)
-        if o.finish_reason == "error":
-            self._finished.set()  # the router already ended it on every rank
-            self._count("UNAVAILABLE")
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, o.error or "the rank failed")
-        self.completion += len(o.token_ids)
-        resp = pb.GenerateResponse(request_id=self.request_id, text=o.text, token_ids=o.token_ids,
-                                   finish_reason=FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED))
-        if o.logprobs:
-            resp.logprobs.extend(_token_logprob(t, e) for t, e in zip(o.token_ids, o.logprobs))
-        if o.prompt_logprobs is not None:
-            p = self.stream.out.prompt
-            ids = list(p) if isinstance(p, list) else self.router.tokenizer.encode(p).ids
-            resp.prompt_logprobs.extend(_token_logprob(t, e) for t, e in zip(ids[1:], o.prompt_logprobs[1:]))
-        if o.finish_reason is not None:
-            self._finished.set()
-            self._count("CANCELLED" if o.finish_reason == "abort" else "OK")
-            p = self.stream.out.prompt_tokens
-            resp.usage.CopyFrom(pb.Usage(prompt_tokens=p, completion_tokens=self.completion,
-                                         total_tokens=p + self.completion))
-        return resp
-
-    def close(self) -> None:
-        if not self._finished.is_set():
-            self._finished.set()
-            self._count("CANCELLED")  # ended early: cancel, disconnect or deadline
-            self.router.abort(self.request_id)
-
-    def _count(self, code: str) -> None:
-        if self.metrics is not None:
-            self.metrics.requests.labels("grpc", "Generate", code).inc()
-
-
 class MoerayRpc:
     """The `moeray.v1.Moeray` logic without a transport, shared by the standalone server (`MoerayServicer`)
     and the Ray Serve deployment behind Serve's gRPC proxy (`router_service.serve.deployment.MoerayServer`).
@@ -203,41 +127,70 @@ class MoerayRpc:
 
     def start(self, request: pb.GenerateRequest, metadata: Iterable[tuple[str, str]] | None = None,
               timed: bool = True) -> GenerateCall:
-        """Authorize (when `metadata` is given), validate and submit one Generate request, counted in `metrics`
-        (`frontend="grpc"`). `timed=False`: the caller times the outputs itself (the Serve deployment, through
-        `OpenAIServer.outputs`).
+        """Authorize (when `metadata` is given), validate and submit one Generate request (one prompt, or each of
+        a batch: all or none), counted in `metrics` (`frontend="grpc"`). `timed=False`: the caller times the
+        outputs itself (the Serve deployment, through `OpenAIServer.outputs`).
 
         Raises:
             RpcError: UNAUTHENTICATED (see `authorize`), INVALID_ARGUMENT (details start with the field:
-                `max_tokens: max_tokens=5000 exceeds the context window ...`), RESOURCE_EXHAUSTED (queue limit),
-                UNAVAILABLE (a rank failed or the EP group is being rebuilt; retriable).
+                `max_tokens: max_tokens=5000 exceeds the context window ...`; a batch's prompt i adds
+                `prompt i of the batch: `), NOT_FOUND (`model` is not the served one), RESOURCE_EXHAUSTED (queue
+                limit), UNAVAILABLE (a rank failed or the EP group is being rebuilt; retriable).
         """
         try:
             if metadata is not None:
                 self.authorize(metadata)
-            stream = self._submit(request)
+            streams = self._submit(request)
         except RpcError as e:
             if self.metrics is not None:
                 self.metrics.requests.labels("grpc", "Generate", e.code.name).inc()
             raise
         m = self.metrics
         if m is not None:
-            m.prompt_tokens.labels("grpc").inc(stream.out.prompt_tokens)
-        timer = m.observer([stream.t0], "grpc") if m is not None and timed else None
-        return GenerateCall(self.router, stream, timer, m)
+            m.prompt_tokens.labels("grpc").inc(sum(s.out.prompt_tokens for s in streams))
+        timer = m.observer([s.t0 for s in streams], "grpc") if m is not None and timed else None
+        return GenerateCall(self.router, streams, timer, m)
 
-    def _submit(self, request: pb.GenerateRequest) -> RequestStream:
-        reason = None
+    @staticmethod
+    def _prompts(request: pb.GenerateRequest) -> list[str | list[int]] | None:
+        """The request's prompts: one, or a batch's (None: not a batch). Raises InvalidRequestError."""
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError("prompt", "prompt is missing: set text, token_ids or batch")
+        if kind != "batch":
+            return [request.text if kind == "text" else list(request.token_ids.ids)]
+        ps = request.batch.prompts
+        if not 1 <= len(ps) <= MAX_PROMPTS:
+            raise InvalidRequestError("prompt", f"batch has {len(ps)} prompts; 1 to {MAX_PROMPTS} in one request")
+        out = []
+        for i, p in enumerate(ps):
+            k = p.WhichOneof("prompt")
+            if k is None:
+                raise InvalidRequestError("prompt", f"prompt {i} of the batch is missing: set text or token_ids")
+            out.append(p.text if k == "text" else list(p.token_ids.ids))
+        return out
+
+    def _submit(self, request: pb.GenerateRequest) -> list[RequestStream]:
+        reason, streams = None, []
         try:
             self._check_model(request.model)
-            kind = request.WhichOneof("prompt")
-            if kind is None:
-                raise InvalidRequestError("prompt", "prompt is missing: set text or token_ids")
-            prompt = request.text if kind == "text" else list(request.token_ids.ids)
+            prompts = self._prompts(request)
             params = params_from_proto(request.sampling)
-            return self.router.submit(prompt, params, request.request_id or uuid.uuid4().hex)
+            rid = request.request_id or uuid.uuid4().hex
+            batch = request.WhichOneof("prompt") == "batch"
+            for i, prompt in enumerate(prompts):
+                try:
+                    streams.append(self.router.submit(prompt, params, f"{rid}-{i}" if batch else rid))
+                except InvalidRequestError as e:
+                    if batch:
+                        raise InvalidRequestError(e.field, f"prompt {i} of the batch: {e}") from e
+                    raise
+            return streams
+        except ModelNotFoundError as e:
+            reason = "model_not_found"
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"{e.field}: {e}") from e
         except InvalidRequestError as e:
-            reason = "model_not_found" if isinstance(e, ModelNotFoundError) else "invalid"
+            reason = "invalid"
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from e
         except OverloadedError as e:
             reason = "overloaded"
@@ -246,8 +199,11 @@ class MoerayRpc:
             reason = "unavailable"
             raise RpcError(grpc.StatusCode.UNAVAILABLE, str(e)) from e
         finally:
-            if reason is not None and self.metrics is not None:
-                self.metrics.rejections.labels("grpc", reason).inc()
+            if reason is not None:
+                for s in streams:  # all or nothing: the batch's prompts admitted before the refusal
+                    self.router.abort(s.request_id)
+                if self.metrics is not None:
+                    self.metrics.rejections.labels("grpc", reason).inc()
 
     def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
         """Abort `request.request_id` if it is in flight on this router. Raises RpcError(INVALID_ARGUMENT)

@@ -23,7 +23,6 @@ from concurrent import futures
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from actors.engine.messages import TokenOutput
 from router_service.grpc.rpc import GenerateCall, MoerayRpc, RpcError
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
@@ -60,15 +59,18 @@ class MoerayServicer(pb_grpc.MoerayServicer):
         if not context.add_callback(call.close):  # the call already ended while we submitted
             call.close()
             return
+        outs: queue.Queue = queue.Queue()  # (prompt index, output) of every prompt of the call
+        for i, s in enumerate(call.streams):
+            s.attach_queue(outs, i)
         try:
             while True:
                 try:
-                    o: TokenOutput = call.stream.get(timeout=_LIVENESS_S)
+                    i, o = outs.get(timeout=_LIVENESS_S)
                 except queue.Empty:
                     if not context.is_active():
                         return
                     continue
-                resp = self._call(context, call.response, o)
+                resp = self._call(context, call.response, o, i)
                 if o.finish_reason == "abort" and not context.is_active():
                     return
                 yield resp

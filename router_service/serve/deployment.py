@@ -172,10 +172,10 @@ if serve is not None:
             call = await self._unary(grpc_context, self.rpc.start, request, grpc_context.invocation_metadata(),
                                      False, auth=False)  # authorized and counted by start; timed by outputs
             try:
-                async with aclosing(self.http.outputs([call.stream], "grpc")) as outs:  # shares the latency metrics
-                    async for _, o in outs:
+                async with aclosing(self.http.outputs(call.streams, "grpc")) as outs:  # shares the latency metrics
+                    async for i, o in outs:
                         try:
-                            resp = call.response(o)
+                            resp = call.response(o, i)
                         except RpcError as e:
                             _fail(grpc_context, e)
                         yield resp

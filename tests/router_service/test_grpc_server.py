@@ -113,7 +113,6 @@ def test_stop_string_held_back(stub):
     (dict(sampling=pb.SamplingParams(temperature=-0.5)), "temperature", "[0, 100]"),
     (dict(sampling=pb.SamplingParams(stop=[""])), "stop", "non-empty"),
     (dict(sampling=pb.SamplingParams(gating="fastest")), "gating", "must be one of exact"),
-    (dict(model="no-such-model"), "model", "not served"),
     (dict(text=""), "prompt", "empty"),
     (dict(token_ids=pb.TokenIds(ids=[10**6])), "prompt", "out of range"),
 ])
@@ -125,6 +124,57 @@ def test_invalid_argument_names_field_and_limit(stub, request_kw, field, limit):
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ei.value.details().startswith(f"{field}: ") and limit in ei.value.details()
     assert_served(stub)
+
+
+def test_unserved_model_is_not_found(stub):
+    """As HTTP's 404 model_not_found."""
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(pb.GenerateRequest(model="no-such-model", text=PROMPT), timeout=30))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    assert ei.value.details().startswith("model: model='no-such-model' is not served; available: [")
+    assert_served(stub)
+
+
+def test_batch_prompts_stream_each_prompt_indexed(stub, llm):
+    """A batch of text and token-id prompts: prompt i's responses carry index i and request id "<id>-<i>", its
+    tokens and text equal its own greedy run, its last response its usage."""
+    texts = [PROMPT, "All the world's a stage"]
+    ids = llm.router.tokenizer.encode("Now is the winter").ids
+    ref = llm.generate(texts + [ids], llm_params(max_tokens=6))
+    batch = pb.PromptBatch(prompts=[pb.Prompt(text=t) for t in texts] + [pb.Prompt(token_ids=pb.TokenIds(ids=ids))])
+    out = list(stub.Generate(pb.GenerateRequest(request_id="b", batch=batch, sampling=pb.SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True)), timeout=60))
+    assert {m.index for m in out} == {0, 1, 2}
+    for i, r in enumerate(ref):
+        mine = [m for m in out if m.index == i]
+        assert {m.request_id for m in mine} == {f"b-{i}"}
+        assert [t for m in mine for t in m.token_ids] == r.token_ids and "".join(m.text for m in mine) == r.text
+        assert mine[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in mine[:-1])
+        assert (mine[-1].usage.prompt_tokens, mine[-1].usage.completion_tokens) == (r.prompt_tokens, 6)
+
+
+@pytest.mark.parametrize("prompts, details, aborted", [
+    ([pb.Prompt(text=PROMPT), pb.Prompt(text="")], "prompt: prompt 1 of the batch: prompt is empty", ["r-0"]),
+    ([pb.Prompt(text=PROMPT), pb.Prompt(token_ids=pb.TokenIds(ids=[10**6]))], "prompt: prompt 1 of the batch: ",
+     ["r-0"]),
+    ([pb.Prompt(text=PROMPT), pb.Prompt()], "prompt: prompt 1 of the batch is missing: set text or token_ids", []),
+    ([], "prompt: batch has 0 prompts; 1 to 256 in one request", []),
+    ([pb.Prompt(text="x")] * 257, "prompt: batch has 257 prompts; 1 to 256 in one request", []),
+])
+def test_batch_is_refused_whole(stub, llm, monkeypatch, prompts, details, aborted):
+    """One bad prompt refuses the call; the prompts admitted before it are aborted on their ranks."""
+    calls, abort = [], llm.router.abort
+    monkeypatch.setattr(llm.router, "abort", lambda rid: (calls.append(rid), abort(rid)))
+    req = pb.GenerateRequest(request_id="r", sampling=pb.SamplingParams(max_tokens=100, temperature=0.0,
+                                                                        ignore_eos=True))
+    req.batch.SetInParent()
+    req.batch.prompts.extend(prompts)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(req, timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and ei.value.details().startswith(details)
+    assert calls == aborted
+    _free_after_idle(llm)
 
 
 def test_missing_prompt(stub):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+router_service/proto/moeray/v1/moeray.proto\x12\tmoeray.v1\"\xcc\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x13\n\x06gating\x18\t \x01(\tH\x05\x88\x01\x01\x12\x17\n\nkv_profile\x18\n \x01(\tH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.moeray.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\t\n\x07_gatingB\r\n\x0b_kv_profileB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.moeray.v1.TopLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.moeray.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.moeray.v1.SamplingParamsB\x08\n\x06prompt\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\xf5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.moeray.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.moeray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.moeray.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.moeray.v1.TokenLogprob\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"5\n\nRankHealth\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xb6\x01\n\x0eHealthResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .moeray.v1.HealthResponse.Status\x12$\n\x05ranks\x18\x02 \x03(\x0b\x32\x15.moeray.v1.RankHealth\"L\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_SERVING\x10\x01\x12\x16\n\x12STATUS_NOT_SERVING\x10\x02\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05ranks\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.moeray.v1.ModelInfo\"\x18\n\x16GetClusterStatsRequest\"Z\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpert_max_mean\x18\x03 \x01(\x01\x12\x15\n\rrank_max_mean\x18\x04 \x01(\x01\"\x8b\x01\n\tRankStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\t\"\xbf\x01\n\x0c\x43lusterStats\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12$\n\x06layers\x18\x06 \x03(\x0b\x32\x14.moeray.v1.LayerLoad\x12#\n\x05ranks\x18\x07 \x03(\x0b\x32\x14.moeray.v1.RankStats*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe7\x02\n\x06Moeray\x12\x45\n\x08Generate\x12\x1a.moeray.v1.GenerateRequest\x1a\x1b.moeray.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.moeray.v1.CancelRequest\x1a\x19.moeray.v1.CancelResponse\x12=\n\x06Health\x12\x18.moeray.v1.HealthRequest\x1a\x19.moeray.v1.HealthResponse\x12I\n\nListModels\x12\x1c.moeray.v1.ListModelsRequest\x1a\x1d.moeray.v1.ListModelsResponse\x12M\n\x0fGetClusterStats\x12!.moeray.v1.GetClusterStatsRequest\x1a\x17.moeray.v1.ClusterStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+router_service/proto/moeray/v1/moeray.proto\x12\tmoeray.v1\"\xcc\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x13\n\x06gating\x18\t \x01(\tH\x05\x88\x01\x01\x12\x17\n\nkv_profile\x18\n \x01(\tH\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\x05H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.moeray.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\t\n\x07_gatingB\r\n\x0b_kv_profileB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"c\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.moeray.v1.TopLogprob\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"L\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.moeray.v1.TokenIdsH\x00\x42\x08\n\x06prompt\"1\n\x0bPromptBatch\x12\"\n\x07prompts\x18\x01 \x03(\x0b\x32\x11.moeray.v1.Prompt\"\xce\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.moeray.v1.TokenIdsH\x00\x12\'\n\x05\x62\x61tch\x18\x06 \x01(\x0b\x32\x16.moeray.v1.PromptBatchH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.moeray.v1.SamplingParamsB\x08\n\x06prompt\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x84\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.moeray.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.moeray.v1.Usage\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.moeray.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.moeray.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"5\n\nRankHealth\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xb6\x01\n\x0eHealthResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .moeray.v1.HealthResponse.Status\x12$\n\x05ranks\x18\x02 \x03(\x0b\x32\x15.moeray.v1.RankHealth\"L\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_SERVING\x10\x01\x12\x16\n\x12STATUS_NOT_SERVING\x10\x02\"\x13\n\x11ListModelsRequest\"Q\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\r\n\x05ranks\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.moeray.v1.ModelInfo\"\x18\n\x16GetClusterStatsRequest\"Z\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x17\n\x0f\x65xpert_max_mean\x18\x03 \x01(\x01\x12\x15\n\rrank_max_mean\x18\x04 \x01(\x01\"\x8b\x01\n\tRankStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x07 \x01(\t\"\xbf\x01\n\x0c\x43lusterStats\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x05 \x01(\r\x12$\n\x06layers\x18\x06 \x03(\x0b\x32\x14.moeray.v1.LayerLoad\x12#\n\x05ranks\x18\x07 \x03(\x0b\x32\x14.moeray.v1.RankStats*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xe7\x02\n\x06Moeray\x12\x45\n\x08Generate\x12\x1a.moeray.v1.GenerateRequest\x1a\x1b.moeray.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.moeray.v1.CancelRequest\x1a\x19.moeray.v1.CancelResponse\x12=\n\x06Health\x12\x18.moeray.v1.HealthRequest\x1a\x19.moeray.v1.HealthResponse\x12I\n\nListModels\x12\x1c.moeray.v1.ListModelsRequest\x1a\x1d.moeray.v1.ListModelsResponse\x12M\n\x0fGetClusterStats\x12!.moeray.v1.GetClusterStatsRequest\x1a\x17.moeray.v1.ClusterStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2395
-  _globals['_FINISHREASON']._serialized_end=2540
+  _globals['_FINISHREASON']._serialized_start=2580
+  _globals['_FINISHREASON']._serialized_end=2725
   _globals['_SAMPLINGPARAMS']._serialized_start=59
   _globals['_SAMPLINGPARAMS']._serialized_end=775
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=527
@@ -45,38 +45,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_end=925
   _globals['_TOKENIDS']._serialized_start=927
   _globals['_TOKENIDS']._serialized_end=950
-  _globals['_GENERATEREQUEST']._serialized_start=953
-  _globals['_GENERATEREQUEST']._serialized_end=1118
-  _globals['_USAGE']._serialized_start=1120
-  _globals['_USAGE']._serialized_end=1199
-  _globals['_GENERATERESPONSE']._serialized_start=1202
-  _globals['_GENERATERESPONSE']._serialized_end=1447
-  _globals['_CANCELREQUEST']._serialized_start=1449
-  _globals['_CANCELREQUEST']._serialized_end=1484
-  _globals['_CANCELRESPONSE']._serialized_start=1486
-  _globals['_CANCELRESPONSE']._serialized_end=1517
-  _globals['_HEALTHREQUEST']._serialized_start=1519
-  _globals['_HEALTHREQUEST']._serialized_end=1534
-  _globals['_RANKHEALTH']._serialized_start=1536
-  _globals['_RANKHEALTH']._serialized_end=1589
-  _globals['_HEALTHRESPONSE']._serialized_start=1592
-  _globals['_HEALTHRESPONSE']._serialized_end=1774
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1698
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1774
-  _globals['_LISTMODELSREQUEST']._serialized_start=1776
-  _globals['_LISTMODELSREQUEST']._serialized_end=1795
-  _globals['_MODELINFO']._serialized_start=1797
-  _globals['_MODELINFO']._serialized_end=1878
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1880
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1938
-  _globals['_GETCLUSTERSTATSREQUEST']._serialized_start=1940
-  _globals['_GETCLUSTERSTATSREQUEST']._serialized_end=1964
-  _globals['_LAYERLOAD']._serialized_start=1966
-  _globals['_LAYERLOAD']._serialized_end=2056
-  _globals['_RANKSTATS']._serialized_start=2059
-  _globals['_RANKSTATS']._serialized_end=2198
-  _globals['_CLUSTERSTATS']._serialized_start=2201
-  _globals['_CLUSTERSTATS']._serialized_end=2392
-  _globals['_MOERAY']._serialized_start=2543
-  _globals['_MOERAY']._serialized_end=2902
+  _globals['_PROMPT']._serialized_start=952
+  _globals['_PROMPT']._serialized_end=1028
+  _globals['_PROMPTBATCH']._serialized_start=1030
+  _globals['_PROMPTBATCH']._serialized_end=1079
+  _globals['_GENERATEREQUEST']._serialized_start=1082
+  _globals['_GENERATEREQUEST']._serialized_end=1288
+  _globals['_USAGE']._serialized_start=1290
+  _globals['_USAGE']._serialized_end=1369
+  _globals['_GENERATERESPONSE']._serialized_start=1372
+  _globals['_GENERATERESPONSE']._serialized_end=1632
+  _globals['_CANCELREQUEST']._serialized_start=1634
+  _globals['_CANCELREQUEST']._serialized_end=1669
+  _globals['_CANCELRESPONSE']._serialized_start=1671
+  _globals['_CANCELRESPONSE']._serialized_end=1702
+  _globals['_HEALTHREQUEST']._serialized_start=1704
+  _globals['_HEALTHREQUEST']._serialized_end=1719
+  _globals['_RANKHEALTH']._serialized_start=1721
+  _globals['_RANKHEALTH']._serialized_end=1774
+  _globals['_HEALTHRESPONSE']._serialized_start=1777
+  _globals['_HEALTHRESPONSE']._serialized_end=1959
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1883
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1959
+  _globals['_LISTMODELSREQUEST']._serialized_start=1961
+  _globals['_LISTMODELSREQUEST']._serialized_end=1980
+  _globals['_MODELINFO']._serialized_start=1982
+  _globals['_MODELINFO']._serialized_end=2063
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2065
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2123
+  _globals['_GETCLUSTERSTATSREQUEST']._serialized_start=2125
+  _globals['_GETCLUSTERSTATSREQUEST']._serialized_end=2149
+  _globals['_LAYERLOAD']._serialized_start=2151
+  _globals['_LAYERLOAD']._serialized_end=2241
+  _globals['_RANKSTATS']._serialized_start=2244
+  _globals['_RANKSTATS']._serialized_end=2383
+  _globals['_CLUSTERSTATS']._serialized_start=2386
+  _globals['_CLUSTERSTATS']._serialized_end=2577
+  _globals['_MOERAY']._serialized_start=2728
+  _globals['_MOERAY']._serialized_end=3087
 # @@protoc_insertion_point(module_scope)

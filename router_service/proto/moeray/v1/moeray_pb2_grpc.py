@@ -65,8 +65,9 @@ class MoerayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate tokens for one prompt; one response per decode step with the new token ids and the text delta.
-        The last response has finish_reason set and carries usage.
+        """Generate tokens for one prompt, or for each prompt of a batch; one response per decode step of a prompt with
+        its new token ids and text delta (`index`: which prompt). A prompt's last response has finish_reason set and
+        carries that prompt's usage (sum them for the batch's, as OpenAI's completions usage).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
