@@ -79,6 +79,25 @@ def test_generate_streams_through_the_proxy(stub):
     assert "".join(r.text for r in again) == "".join(r.text for r in out)
 
 
+def test_batch_and_unserved_model_through_the_proxy(stub):
+    """A batch streams each prompt under its index (greedy: each equals its own call); an unserved model is
+    NOT_FOUND, as on the standalone server."""
+    sp = pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    texts = ["To be", "or not"]
+    alone = [[t for r in stub.Generate(pb.GenerateRequest(text=t, sampling=sp), timeout=60, metadata=md())
+              for t in r.token_ids] for t in texts]
+    batch = pb.PromptBatch(prompts=[pb.Prompt(text=t) for t in texts])
+    out = list(stub.Generate(pb.GenerateRequest(request_id="pb", batch=batch, sampling=sp), timeout=60,
+                             metadata=md()))
+    for i in range(2):
+        mine = [r for r in out if r.index == i]
+        assert [t for r in mine for t in r.token_ids] == alone[i] and {r.request_id for r in mine} == {f"pb-{i}"}
+        assert mine[-1].usage.completion_tokens == 4
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(pb.GenerateRequest(model="nope", text="To be"), timeout=30, metadata=md()))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND and ei.value.details().startswith("model: ")
+
+
 def test_list_models_health_and_stats(stub, tiny_moe_dir):
     models = stub.ListModels(pb.ListModelsRequest(), timeout=30, metadata=md()).models
     assert [m.id for m in models] == [os.path.basename(os.path.normpath(tiny_moe_dir))] and models[0].ranks == 1
