@@ -5,8 +5,10 @@ What the router knows. Each rank's automatic prefix cache (actors/kv/prefix_cach
 names a full KV block by a chained hash of the token ids before it; the router keeps, per rank, an LRU-bounded
 index of the same chained block hashes (`chain_hashes`, the same block size and cut points) of the prompts it sent
 there. Asking the ranks instead would cost a Ray call (or a frame round trip) per request on the submit path;
-the index costs one sha256 per prompt block, computed outside the router's lock. The index is unsalted: the
-quantized cache salts its hashes with the page layout, but the router only compares its own hashes with its own.
+the index costs one sha256 per prompt block, computed outside the router's lock. The quantized cache salts its
+hashes with the page layout of the sequence's KV profile; the router only compares its own hashes with its own, so
+it salts them with the profile a request names (`kv_profile`; unset or "auto": none, since the rank picks "auto"
+from the whole prompt), and prompts under different named profiles never match.
 
 Ageing: a rank evicts its cached blocks LRU when it needs pages; the index approximates that with an LRU of at most
 `capacity_blocks` (the rank's KV block count) hashes per rank, touched on every prompt routed there, tail before
@@ -55,11 +57,11 @@ class PrefixIndex:
         self.block_size, self.capacity, self.first_cut = block_size, capacity_blocks, first_cut
         self._lru: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(ranks)]
 
-    def hashes(self, token_ids: list[int]) -> list[bytes]:
+    def hashes(self, token_ids: list[int], salt: bytes = b"") -> list[bytes]:
         """Chained hashes of the prompt's full blocks a rank may reuse (at most len - 1 tokens, as the rank's
-        `match`: the last position is always computed)."""
+        `match`: the last position is always computed). `salt`: what else names the blocks (a KV profile)."""
         cuts = list(range(self.first_cut + self.block_size, len(token_ids), self.block_size))
-        return chain_hashes(token_ids, cuts) if cuts else []
+        return chain_hashes(token_ids, cuts, salt) if cuts else []
 
     def match(self, hashes: list[bytes]) -> list[int]:
         """Per rank, how many leading blocks of `hashes` its index holds."""
@@ -153,7 +155,8 @@ class RankChooser:
         """The prompt's block hashes when prefix routing applies to it (None: off, or `params` cannot hit)."""
         if self.index is None or not params_may_hit(params, self.default_gating):
             return None
-        return self.index.hashes(token_ids)
+        profile = params.kv_profile if params.kv_profile not in (None, "auto") else ""
+        return self.index.hashes(token_ids, profile.encode())
 
     def choose(self, hashes: list[bytes] | None, prompt_tokens: int, cost: int) -> int:
         """The rank for a request (its `hashes` from `hashes`), charged `cost` tokens and one request; its hashes are

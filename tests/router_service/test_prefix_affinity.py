@@ -77,6 +77,10 @@ def test_chooser_sends_a_shared_prefix_to_its_rank_unless_overloaded():
     assert ch.hashes(b, SamplingParams(temperature=0, gating="sticky")) is None
     assert RankChooser(2, default_gating="sticky").hashes(b, GREEDY) is None
     assert RankChooser(2, default_gating="sticky").hashes(b, SamplingParams(gating="exact")) is not None
+    # a named KV profile names other pages (the quantized cache salts its hashes with it): no match across profiles
+    prose, code = (ch.hashes(b, SamplingParams(kv_profile=p)) for p in ("prose", "code"))
+    assert prose != code and ch.hashes(b, SamplingParams(kv_profile="auto")) == ch.hashes(b, GREEDY)
+    assert ch.index.match(prose) == [0, 0] and ch.index.match(ch.hashes(b, GREEDY)) == [6, 6]
     ch.reset(capacity_blocks=8)
     assert ch.requests == [0, 0] and ch.index.match(ch.hashes(b, GREEDY)) == [0, 0] and ch.index.capacity == 8
 
