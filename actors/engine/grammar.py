@@ -2,17 +2,19 @@
 the router's edge) masks the tokens its next token may be, in the batched sampler, and advances with every token.
 
 Library: llguidance (MIT; Rust core with Python bindings, one abi3 wheel of 3 MB, no runtime dependency: no torch,
-no transformers; the `guidance` backend of vLLM's structured output, and llama.cpp's). It builds the token mask
-lazily per step (an Earley parser over a derivative-based lexer walking the token trie), so a schema compiles in
-about a millisecond and nothing is precomputed per vocabulary; it controls whitespace (`whitespace_flexible`
-off, fixed separators) and reports schema errors in words. Compared on PyPI (tiny-moe's 4096-token byte-level
-BPE vocabulary, a 5-property schema, a random walk of allowed tokens; bench/structured.py measures ours in place,
-BENCHMARKS.md "Structured output" has the table): xgrammar 0.2.9 (Apache-2.0) is about as fast per token (0.05 vs
-0.07 ms) but requires torch, transformers, triton and apache-tvm-ffi at run time (13 MB more) and compiles a
-grammar per schema (25 ms here); outlines-core 0.2.14 (Apache-2.0, no runtime dependency) builds a regex DFA
-index over the whole vocabulary per schema (57 ms here, growing with schema and vocabulary), wants the
-vocabulary as decoded strings (byte-level tokens mapped by hand) and bounds whitespace only through the
-schema's regex.
+no transformers; the `guidance` backend of vLLM's structured output, and llama.cpp's). It computes each mask at
+run time (an Earley parser over a derivative-based lexer walking the token trie), so a schema compiles in about
+a millisecond with nothing precomputed per schema and vocabulary; it fixes whitespace (`whitespace_flexible` off,
+fixed separators), and reports schema errors in words. Measured against the other two on PyPI
+(bench/grammar_libs.py, tiny-moe's 4096-token byte-level BPE, BENCHMARKS.md "Structured output"): xgrammar
+0.2.9 (Apache-2.0) masks 2-5x faster per token (0.02-0.08 vs 0.15-0.37 ms) because it precompiles per schema
+(8-22 ms a schema here, growing with the vocabulary), and needs transformers, triton and apache-tvm-ffi at run
+time (torch>=1.10: it would keep 2.13.0); outlines-core 0.2.14 (Apache-2.0, no dependency) builds a regex DFA
+index over the whole vocabulary per schema (27-60 ms here), wants the tokens as bytes mapped by hand and has no
+JSON-aware error messages. Every request may bring its own schema (compiled at the router and on the rank), so
+llguidance's millisecond compile and empty dependency list win over xgrammar's faster mask: at ~0.2 ms a token
+it adds ~10-35% to a 16-stream decode step of the tiny shipped model (bench/structured.py); the share shrinks as
+the forward grows, while the mask grows with the vocabulary (not measured here beyond 4096 tokens).
 
 Method, per step (`apply_grammar_masks`): the rows with a grammar get their matcher's next-token bitmask (one
 bit per token id, [G, ceil(V / 32)] int32, filled by `LLExecutor` for all rows in one call), unpacked to [G, V]
@@ -33,6 +35,7 @@ import numpy as np
 # no free whitespace, json.dumps' separators; every output of a bounded schema then ends in a bounded token count
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 1 << 20  # a compiled grammar (the schema inside it, as JSON text) at most
+COMPILED_GRAMMARS = 64  # pristine matchers kept per process (`_compiled`), a few KiB to a few MiB each
 GRAMMAR_THREADS = 1  # llguidance's mask threads per rank: masks of a few ms at most; the rank's cores do the forward
 
 _lock = threading.Lock()
@@ -75,6 +78,13 @@ def check_grammar(grammar: str, tokenizer=None) -> None:
         raise ValueError("; ".join(msgs)[:500])
 
 
+@functools.lru_cache(maxsize=COMPILED_GRAMMARS)
+def _compiled(tokenizer, grammar: str):
+    """A pristine matcher of `grammar` (never advanced: `GrammarState` takes deep copies), one per recent grammar,
+    so the `n` choices of a request, and requests that repeat a schema, compile it once."""
+    return _llg().LLMatcher(tokenizer, grammar, log_level=0)
+
+
 class GrammarState:
     """One sequence's grammar: an llguidance matcher over `tokenizer` (`load_tokenizer`'s) for `grammar`.
     Never raises when built: a grammar that fails to compile leaves `error` set, and the sampler fails the request
@@ -85,11 +95,11 @@ class GrammarState:
     def __init__(self, tokenizer, grammar: str):
         self.matcher, self.error = None, None
         try:
-            m = _llg().LLMatcher(tokenizer, grammar, log_level=0)
+            m = _compiled(tokenizer, grammar)
             if m.is_error():
                 self.error = f"the grammar does not compile: {m.get_error()[:300]}"
             else:
-                self.matcher = m
+                self.matcher = m.deep_copy()  # ~3 us, where compiling again takes ~1 ms
         except Exception as e:  # noqa: BLE001 - kept for the request's error, never the step's
             self.error = f"the grammar does not compile: {e!r:.300}"
 
