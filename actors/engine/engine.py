@@ -26,7 +26,7 @@ from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer, take_token
 from actors.engine.eplb import PlacementMixin
-from actors.engine.grammar import GrammarState, load_tokenizer
+from actors.engine.grammar import grammar_state
 from actors.engine.logprobs import step_logprobs
 from actors.engine.penalties import SequenceControls
 from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
@@ -140,8 +140,8 @@ class RankEngine(PlacementMixin):
                        kv_profile=self._kv_profile_of.get(req.request_id))
         seq.controls = SequenceControls.of(params, seq.prompt_ids, seq.output_ids, self.eos)
         if params.grammar is not None:  # built here, off the step thread (a large grammar takes milliseconds)
-            seq.grammar = GrammarState(load_tokenizer(f"{self.cfg.model}/tokenizer.json", self.model_cfg.vocab_size,
-                                                      tuple(sorted(self.eos))), params.grammar)
+            seq.grammar = grammar_state(f"{self.cfg.model}/tokenizer.json", self.model_cfg.vocab_size,
+                                        tuple(sorted(self.eos)), params.grammar)  # never raises
         with self._lock:
             self._inbox.append(seq)
 

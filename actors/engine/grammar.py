@@ -113,6 +113,18 @@ class GrammarState:
         return self.matcher.is_stopped()
 
 
+def grammar_state(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...], grammar: str) -> GrammarState:
+    """A sequence's `GrammarState` over `load_tokenizer(tokenizer_json, vocab_size, eos)`. Never raises: a tokenizer
+    the library cannot load leaves the state's `error` set (the request fails at its first step, not the rank)."""
+    try:
+        tok = load_tokenizer(tokenizer_json, vocab_size, eos)
+    except Exception as e:  # noqa: BLE001
+        s = GrammarState.__new__(GrammarState)
+        s.matcher, s.error = None, f"the grammar library could not load the tokenizer: {e!r:.300}"
+        return s
+    return GrammarState(tok, grammar)
+
+
 def _get_executor():
     global _executor
     with _lock:

@@ -103,7 +103,9 @@ def test_engine_outputs_follow_the_schema_and_a_bad_grammar_fails_alone(grammar)
     prompt = eng.tokenizer.encode("Reply in JSON: ").ids
     for i in range(10):
         p = SamplingParams(temperature=1.0, max_tokens=256, seed=100 + i, grammar=grammar)
-        eng.add_request(GenerateRequest(request_id=f"g{i}", prompt_ids=prompt, params=p.to_dict()))
+        msg = GenerateRequest.decode(GenerateRequest(request_id=f"g{i}", prompt_ids=prompt, params=p.to_dict()).encode())
+        assert SamplingParams.from_dict(msg.params) == p  # the grammar travels router -> rank in the msgpack message
+        eng.add_request(msg)
     bad = SamplingParams(temperature=1.0, max_tokens=8, grammar='{"grammars": [{"json_schema": {"type": "foo"}}]}')
     eng.add_request(GenerateRequest(request_id="bad", prompt_ids=prompt, params=bad.to_dict()))
     texts, ids, done = {}, {}, {}
