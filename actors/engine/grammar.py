@@ -70,12 +70,19 @@ def json_schema_grammar(schema: dict) -> str:
 def check_grammar(grammar: str, tokenizer=None) -> None:
     """Raise ValueError with llguidance's words when `grammar` does not compile (an unknown type, a bad `$ref`,
     a bad regex `pattern`, an unsupported keyword) or is longer than MAX_GRAMMAR_CHARS; `tokenizer`:
-    `load_tokenizer`'s (None: the grammar alone)."""
+    `load_tokenizer`'s (None: the grammar alone). The verdicts of recent grammars are kept (`_verdict`), so the
+    router's admission checking again what the HTTP edge checked costs a lookup."""
     if not isinstance(grammar, str) or len(grammar) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+    err = _verdict(grammar, tokenizer)
+    if err:
+        raise ValueError(err)
+
+
+@functools.lru_cache(maxsize=COMPILED_GRAMMARS)
+def _verdict(grammar: str, tokenizer) -> str:
     is_error, msgs = _llg().LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise ValueError("; ".join(msgs)[:500])
+    return "; ".join(msgs)[:500] if is_error else ""
 
 
 @functools.lru_cache(maxsize=COMPILED_GRAMMARS)

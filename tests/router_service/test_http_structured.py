@@ -156,3 +156,15 @@ def test_noop_values_pass(client):
                   {"response_format": None, "tools": None, "tool_choice": None}):
         r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 2, "temperature": 0, **extra})
         assert r.status_code == 200 and isinstance(r.json()["choices"][0]["message"]["content"], str), r.text
+
+
+def test_admission_checks_a_grammar_from_any_front_door(router):
+    """A grammar handed to the router directly (the Python API, a Serve handle) is checked at admission too."""
+    from actors.engine.grammar import json_schema_grammar
+    from actors.engine.sampling import SamplingParams
+    from router_service.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="Invalid type") as e:
+        router.validate("hi", SamplingParams(max_tokens=4, grammar=json_schema_grammar({"type": "nosuchtype"})))
+    assert e.value.field == "grammar"
+    assert router.validate("hi", SamplingParams(max_tokens=4, grammar=json_schema_grammar(PERSON)))
