@@ -123,3 +123,32 @@ def test_engine_outputs_follow_the_schema_and_a_bad_grammar_fails_alone(grammar)
         jsonschema.validate(json.loads(text), SCHEMA)
         assert eng.tokenizer.decode(ids[rid]) == text and 0 not in ids[rid]  # ended by the grammar, EOS never emitted
     assert len(set(texts.values())) > 5  # sampled, not one output ten times
+
+
+def test_grammar_state_survives_preemption(grammar):
+    """A preempted sequence is recomputed from its prompt + output tokens; its grammar state (already advanced over
+    those tokens) carries on: every output still ends with "stop" and validates."""
+    eng = _engine(max_num_seqs=6, max_model_len=192, kv_cache_bytes=12 * 65536)  # 12 blocks of 16 tokens, 6 seqs
+    assert eng.cache.allocator.num_blocks == 12
+    preempted = []
+    orig = eng.scheduler._preempt
+
+    def preempt(victim):
+        preempted.append(victim.request_id)
+        orig(victim)
+
+    eng.scheduler._preempt = preempt
+    prompt = eng.tokenizer.encode("Reply in JSON, please, with a name, an age, a pet and tags: ").ids
+    for i in range(6):
+        p = SamplingParams(temperature=1.0, max_tokens=150, seed=200 + i, grammar=grammar)
+        eng.add_request(GenerateRequest(request_id=f"p{i}", prompt_ids=prompt, params=p.to_dict()))
+    texts, done = {}, {}
+    while eng.has_work:
+        for o in eng.step():
+            texts[o.request_id] = texts.get(o.request_id, "") + o.text
+            if o.finish_reason is not None:
+                done[o.request_id] = (o.finish_reason, o.error)
+    assert preempted, "no preemption: the test would not test it"
+    assert all(r == ("stop", None) for r in done.values()) and len(done) == 6, done
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), SCHEMA)
