@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
+from actors.engine.grammar import check_grammar, load_tokenizer
 from actors.engine.sampling import SamplingParams
 from router_service.errors import InvalidRequestError
 
@@ -49,7 +50,8 @@ class PromptAdmission:
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Token ids of `prompt` (text or ids). Raises InvalidRequestError naming the field (`prompt`,
-        `max_tokens`, `logit_bias` ids outside the vocabulary, `kv_profile`), the value and the limit."""
+        `max_tokens`, `logit_bias` ids outside the vocabulary, `kv_profile`, a `grammar` that does not compile),
+        the value and the limit."""
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "prompt is empty")
@@ -74,6 +76,11 @@ class PromptAdmission:
             params.check_kv_profile(self.cfg.model, self.cfg.engine_options)
         except ValueError as e:
             raise InvalidRequestError("kv_profile", str(e)) from e
+        if params.grammar is not None:  # every front door's (the HTTP edge checked its own already: a lookup)
+            try:
+                check_grammar(params.grammar, load_tokenizer(f"{self.cfg.model}/tokenizer.json", self.vocab_size))
+            except ValueError as e:
+                raise InvalidRequestError("grammar", f"grammar: does not compile: {e}") from e
         return ids
 
     def encode(self, text: str, field: str = "prompt") -> list[int]:

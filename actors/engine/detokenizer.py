@@ -75,7 +75,11 @@ def take_token(seq, tok: int, eos: set[int], max_model_len: int) -> tuple[list[i
     EOS (unless `params.ignore_eos`) ends it with "stop" and is not emitted; a `stop_token_ids` id ends it
     with "stop" and is emitted (it joins `output_ids`) without its text (vLLM's `include_stop_str_in_output=False`
     default); otherwise the token joins `output_ids` and its detokenizer, and a stop string ends it with "stop",
-    reaching `max_tokens` or `max_model_len` with "length". At the end, the text held back is released (`flush`).
+    reaching `max_tokens` or `max_model_len` with "length". A sequence with a grammar (`seq.grammar`) advances it
+    first and ends with "stop" when it is complete. At the end, the text held back is released (`flush`).
+
+    Raises:
+        ValueError: the grammar rejects the token (the caller fails that request alone).
 
     Returns:
         (token ids to emit, text delta, finish reason or None).
@@ -83,11 +87,12 @@ def take_token(seq, tok: int, eos: set[int], max_model_len: int) -> tuple[list[i
     p, detok = seq.params, seq.detok
     if tok in eos and not p.ignore_eos:
         return [], ("" if detok.stopped else detok.flush()), "stop"
+    complete = seq.grammar is not None and seq.grammar.advance(tok)
     seq.output_ids.append(tok)
     if p.stop_token_ids and tok in p.stop_token_ids:
         return [tok], detok.flush(), "stop"
     text, stopped = detok.add(tok)
-    if stopped:
+    if stopped or complete:
         reason = "stop"
     elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= max_model_len:
         reason = "length"

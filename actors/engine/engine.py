@@ -26,6 +26,7 @@ from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer, take_token
 from actors.engine.eplb import PlacementMixin
+from actors.engine.grammar import grammar_state
 from actors.engine.logprobs import step_logprobs
 from actors.engine.penalties import SequenceControls
 from actors.engine.step_plan import StepPlan, build_gating_batch, build_metadata, sampled_rows
@@ -138,6 +139,9 @@ class RankEngine(PlacementMixin):
                        prompt_lp=None if params.prompt_logprobs is None else [None],
                        kv_profile=self._kv_profile_of.get(req.request_id))
         seq.controls = SequenceControls.of(params, seq.prompt_ids, seq.output_ids, self.eos)
+        if params.grammar is not None:  # built here, off the step thread (a large grammar takes milliseconds)
+            seq.grammar = grammar_state(f"{self.cfg.model}/tokenizer.json", self.model_cfg.vocab_size,
+                                        tuple(sorted(self.eos)), params.grammar)  # never raises
         with self._lock:
             self._inbox.append(seq)
 
@@ -236,7 +240,8 @@ class RankEngine(PlacementMixin):
             # decode only: token i is sequence i's one new token, so every row is a last row, in order
             logits = self.model.logits(h).cpu()  # [N + Q, V]: sampled rows, then prompt-scoring rows
             toks, errors = sample(logits[:len(seqs)], [s.params for s in seqs], [s.generator for s in seqs],
-                                  [s.controls for s in seqs])  # logit controls: `actors.engine.penalties`
+                                  [s.controls for s in seqs],  # logit controls: `actors.engine.penalties`
+                                  [s.grammar for s in seqs])  # token masks: `actors.engine.grammar`
             for i, err in errors.items():  # that request ends; the others keep their tokens (toks[i] = -1)
                 self._end(seqs[i], err=err)
             lps = step_logprobs(logits, seqs, toks, plan.prompt_rows) or [None] * len(seqs)

@@ -26,6 +26,7 @@ import random
 import numpy as np
 import torch
 
+from actors.engine.grammar import GrammarState, apply_grammar_masks
 from actors.engine.penalties import SequenceControls, apply_controls
 from actors.engine.sampling import SamplingParams
 
@@ -46,7 +47,8 @@ def make_generator(seed: int | None) -> random.Random:
 
 
 def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: list[random.Random | None],
-           controls: list[SequenceControls | None] | None = None) -> tuple[list[int], dict[int, str]]:
+           controls: list[SequenceControls | None] | None = None,
+           grammars: list[GrammarState | None] | None = None) -> tuple[list[int], dict[int, str]]:
     """Pick one token per row of `logits_BV` [B, V] (float, any device; sampled on CPU in fp32), batched.
 
     Args:
@@ -54,6 +56,8 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: li
         generators: one per row, `make_generator`'s; only sampled rows' are read (greedy rows' may be None).
         controls: one per row or None (no row has any): the rows' logit controls (`actors.engine.penalties`),
             applied to a copy of their logits before everything else; `logits_BV` is never modified.
+        grammars: one per row or None (no row has one): the rows' grammar states (`actors.engine.grammar`), whose
+            token masks are applied after the controls (disallowed tokens: -inf, drawn with weight exactly 0).
     Returns:
         (tokens: B ints, -1 for a failed row; errors: row -> message, empty when every row succeeded).
         Never raises for one row: a row whose logits are not finite (nan, +inf, all -inf) or whose params are
@@ -66,9 +70,14 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: li
     x = logits_BV.detach().to("cpu", torch.float32)
     errors: dict[int, str] = {}
     crow = [i for i, c in enumerate(controls or ()) if c is not None]
-    if crow:  # only the rows that use controls, on a copy (the caller's logits stay raw, for logprobs)
-        x = x.clone() if x.data_ptr() == logits_BV.data_ptr() else x
+    grow = [i for i, g in enumerate(grammars or ()) if g is not None]
+    if (crow or grow) and x.data_ptr() == logits_BV.data_ptr():  # a copy: the caller's logits stay raw (logprobs)
+        x = x.clone()
+    if crow:  # only the rows that use controls
         _controls(x.numpy(), crow, [controls[i] for i in crow], errors)
+    if grow:  # only the rows with a grammar; a failing one fails alone
+        apply_grammar_masks(x.numpy(), grow, [grammars[i] for i in grow], errors)
+    masked = set(grow)
     best = np.argmax(x.numpy(), axis=1)  # the first maximum (a nan wins)
     mxn = x.numpy()[np.arange(B), best]  # row max: nan if any nan, inf if any inf, -inf if all are
     mx = torch.from_numpy(mxn)
@@ -95,12 +104,13 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], generators: li
         rows.append(i), temps.append(t), ks.append(k if 0 < k < V else V), ps.append(tp), us.append(u)
     if rows:
         try:
-            drawn = _sample_rows(x, mx, rows, temps, np.asarray(ks), np.asarray(ps, np.float32), us)
+            hard = [j for j, i in enumerate(rows) if i in masked]
+            drawn = _sample_rows(x, mx, rows, temps, np.asarray(ks), np.asarray(ps, np.float32), us, hard)
         except Exception:
             drawn = []
             for i, t, k, tp, u in zip(rows, temps, ks, ps, us):
                 try:
-                    drawn.append(_sample_one(x[i], t, k, tp, u))
+                    drawn.append(_sample_one(x[i], t, k, tp, u, i in masked))
                 except Exception as e:
                     errors[i] = f"sampling failed: {e!r:.200}"
                     drawn.append(-1)
@@ -126,9 +136,10 @@ def _controls(x: np.ndarray, rows: list[int], ctl: list[SequenceControls], error
 
 
 def _sample_rows(x: torch.Tensor, mx: torch.Tensor, rows: list[int], temps: list[float], ks: np.ndarray,
-                 ps: np.ndarray, us: list[float]) -> list[int]:
+                 ps: np.ndarray, us: list[float], hard: list[int] = ()) -> list[int]:
     """`sample`'s sampled rows, batched: x [B, V] fp32, mx [B] row maxima; per sampled row its index, temperature,
-    top_k (V: off), top_p (1: off) and uniform. Returns one token per sampled row."""
+    top_k (V: off), top_p (1: off) and uniform; `hard`: the sampled rows (indices into `rows`) whose -inf logits
+    weigh exactly 0 (grammar masks), not the floor's e^-87. Returns one token per sampled row."""
     V = x.shape[1]
     if len(rows) == x.shape[0]:
         z = x - mx.unsqueeze(1)
@@ -138,6 +149,9 @@ def _sample_rows(x: torch.Tensor, mx: torch.Tensor, rows: list[int], temps: list
     z.div_(torch.tensor(temps).unsqueeze(1)).clamp_(min=_Z_FLOOR)  # [S, V], row max 0
     w = torch.exp(z)
     zn, wn = z.numpy(), w.numpy()
+    if len(hard):
+        h = np.asarray(hard, dtype=np.int64)
+        wn[h] *= np.isfinite(x.numpy()[np.asarray(rows, dtype=np.int64)[h]])
     cut = np.flatnonzero((ks < V) | (ps < 1.0))
     if cut.size:
         thr = np.full(len(rows), -np.inf, dtype=np.float32)
@@ -237,10 +251,10 @@ def _draw(w: np.ndarray, u: np.ndarray) -> list[int]:
     return out
 
 
-def _sample_one(x_V: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> int:
+def _sample_one(x_V: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float, hard: bool = False) -> int:
     """One row of `sample`'s sampled path, alone, with per-row torch ops (topk, softmax, sort): `sample`'s
     fallback when the batched path raises. Same method: z = max((x - max) / T, _Z_FLOOR), top-k, top-p on the
-    sorted probabilities, inverse transform of `u` (`_draw`)."""
+    sorted probabilities, inverse transform of `u` (`_draw`); `hard`: -inf logits weigh exactly 0."""
     V = x_V.numel()
     z = ((x_V.float() - x_V.max()) / temperature).clamp(min=_Z_FLOOR)
     keep = torch.ones(V, dtype=torch.bool)
@@ -251,4 +265,6 @@ def _sample_one(x_V: torch.Tensor, temperature: float, top_k: int, top_p: float,
         sp = torch.sort(probs, descending=True).values
         keep &= probs >= sp[sp.cumsum(0) - sp < top_p][-1]
     w = torch.exp(z) * keep
+    if hard:
+        w = w * torch.isfinite(x_V)
     return _draw(w.unsqueeze(0).numpy(), np.asarray([u], dtype=np.float32))[0]

@@ -106,6 +106,10 @@ class SamplingParams:
     output tokens): a seen token's logit is divided by it if > 0, else multiplied; presence_penalty and
     frequency_penalty (in [-2, 2], OpenAI semantics over the generated tokens): logit -= presence * (count > 0)
     + frequency * count.
+    grammar: constrained decoding (`actors.engine.grammar`): an llguidance grammar (JSON text, compiled and checked
+    at the router's edge from `response_format` / `tools`); each token is drawn from the tokens it allows, EOS
+    only where it accepts, and the output ends ("stop") when it is complete. Not with ignore_eos or min_tokens
+    (the grammar decides where the output ends). None = off.
 
     Raises:
         ValueError: naming the field, its value and the allowed range.
@@ -128,6 +132,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if self.gating is not None and self.gating not in POLICIES:
@@ -169,6 +174,13 @@ class SamplingParams:
         if isinstance(mt, bool) or not isinstance(mt, int) or not 0 <= mt <= self.max_tokens:
             raise ValueError(f"min_tokens={mt!r} must be an integer in [0, max_tokens={self.max_tokens}]")
         self.logit_bias = parse_logit_bias(self.logit_bias)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar:
+                raise ValueError(f"grammar must be a non-empty string (an llguidance grammar), not {self.grammar!r:.40}")
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}={getattr(self, name)!r} cannot be combined with a grammar (response_format "
+                                     "or tools): the grammar decides where the output ends")
 
     @property
     def has_logit_controls(self) -> bool:

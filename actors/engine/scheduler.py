@@ -52,6 +52,7 @@ class Sequence:
     # with `params.prompt_logprobs`: [None, then one `TokenLogprob` per prompt token scored so far]; else None
     prompt_lp: list | None = None
     controls: object | None = None  # its logit-control state (`actors.engine.penalties.SequenceControls`), or None
+    grammar: object | None = None  # its grammar state (`actors.engine.grammar.GrammarState`), or None
     kv_profile: str | None = None  # the quantized cache's profile for this sequence (part of its block hashes)
     block_hashes: list = field(default_factory=list)  # prefix-cache hashes of its first full blocks
     num_committed: int = 0  # blocks (or cache units) committed to the prefix cache

@@ -36,6 +36,7 @@ from router_service.http.body_limit import BodyLimit
 from router_service.grpc.rpc import api_key_ok, params_error_field
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
 from router_service.http.serving import OpenAIServer, RequestTimedOut, _Reject, error_response, model_not_found
+from router_service.http.structured import tool_call_choice, tool_mode
 from router_service.router import Router
 from router_service.stream import RequestStream
 
@@ -201,6 +202,8 @@ def create_app(router: Router, *, model_name: str | None = None, api_key: str | 
                        for i in range(len(streams))]
             if views is not None:
                 choices = [v.fill(c) for v, c in zip(views, choices)]
+            if chat and (tool := tool_mode(req)) is not None:  # the constrained text as message.tool_calls
+                choices = [tool_call_choice(c, tool) for c in choices]
                 if chat and req.prompt_logprobs is not None:
                     base["prompt_logprobs"] = views[0].prompt_logprobs()
             m.requests.labels("http", path, "200").inc()

@@ -18,15 +18,16 @@ from actors.engine.sampling import (LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPRO
                                     SamplingParams, check_kv_profile_name, parse_logit_bias)
 from actors.moe.gating import POLICIES
 from router_service.errors import InvalidRequestError
+from router_service.http.structured import StructuredFields, ToolFields
 
 MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
 MAX_PROMPTS = 256  # prompts in one /v1/completions call at most
 MAX_SEED = 2**63
 # OpenAI / vLLM request fields that change the output and are not implemented yet -> the values that are no-ops
+# (`response_format`, `tools`, `tool_choice`: `router_service.http.structured`)
 NOT_YET_SUPPORTED = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "min_p": (0, 0.0), "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "structured_outputs": (),
+    "functions": ([],), "function_call": ("none",), "min_p": (0, 0.0), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -152,9 +153,9 @@ class SamplingFields(NullIsDefault):
     def include_usage(self) -> bool:
         return self.stream_options.include_usage if self.stream_options else False
 
-    def sampling_params(self, max_tokens: int, index: int = 0) -> SamplingParams:
-        """SamplingParams of choice `index` (a given seed is offset by the index so n > 1 choices differ).
-        Raises InvalidRequestError naming the field (`min_tokens` over `max_tokens`, found only here for chat)."""
+    def sampling_params(self, max_tokens: int, index: int = 0, grammar: str | None = None) -> SamplingParams:
+        """SamplingParams of choice `index` (a seed is offset by the index so n > 1 choices differ), with `grammar`
+        (`structured.request_grammar`). Raises InvalidRequestError naming the field (`min_tokens` over `max_tokens`)."""
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_tokens=max_tokens,
@@ -162,7 +163,7 @@ class SamplingFields(NullIsDefault):
                 stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos, gating=self.gating,
                 kv_profile=self.kv_profile, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                logit_bias=self.logit_bias or None, min_tokens=self.min_tokens, **self.logprob_params())
+                logit_bias=self.logit_bias or None, min_tokens=self.min_tokens, grammar=grammar, **self.logprob_params())
         except ValueError as e:
             raise InvalidRequestError(re.match(r"\w*", str(e)).group(0) or "sampling", str(e)) from e
 
@@ -203,7 +204,7 @@ def parse_prompt(v: Any) -> list[str | list[int]]:
     raise ValueError(f"prompt must be {PROMPT_FORMS} (one form, not mixed); got a list of {', '.join(kinds)}")
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, a list of strings or a list of token-id
     lists (a batch: choice `i * n + j` is the j-th of prompt i, as OpenAI orders them); `max_tokens` defaults to
     16 as in OpenAI's API."""
@@ -265,7 +266,7 @@ class ChatMessage(NullIsDefault):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     """POST /v1/chat/completions. `max_completion_tokens` (OpenAI's name) or the deprecated `max_tokens`; when
     both are given `max_completion_tokens` wins, as in vLLM. Unset: the rest of the context window after the
     templated prompt."""

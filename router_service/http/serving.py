@@ -26,6 +26,7 @@ from router_service.errors import EngineError, InvalidRequestError, ModelNotFoun
 from router_service.grpc.rpc import served_model_name
 from router_service.http.logprobs import ChoiceView, TokenTexts
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router_service.http.structured import request_grammar
 from router_service.metrics import Metrics
 from router_service.router import Router
 from router_service.stream import LoopMailbox, RequestStream
@@ -120,10 +121,11 @@ class OpenAIServer:
     def completion_jobs(self, req: CompletionRequest, rid: str) -> list[tuple]:
         self._check_model(req)
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        grammar = request_grammar(req, self.router)  # compiled and checked once, for every choice
         jobs = []
         for p_i, prompt in enumerate(req.prompts()):
             for j in range(req.n):
-                jobs.append((prompt, req.sampling_params(max_tokens, j), f"{rid}-{p_i * req.n + j}"))
+                jobs.append((prompt, req.sampling_params(max_tokens, j, grammar), f"{rid}-{p_i * req.n + j}"))
         return jobs
 
     def chat_jobs(self, req: ChatCompletionRequest, rid: str) -> list[tuple]:
@@ -142,7 +144,8 @@ class OpenAIServer:
             raise InvalidRequestError("messages", f"the templated prompt has {len(ids)} tokens; the context window is {L}")
         else:
             max_tokens = L - len(ids)  # the rest of the context window
-        return [(ids, req.sampling_params(max_tokens, j), f"{rid}-{j}") for j in range(req.n)]
+        grammar = request_grammar(req, self.router)
+        return [(ids, req.sampling_params(max_tokens, j, grammar), f"{rid}-{j}") for j in range(req.n)]
 
     def views(self, req: SamplingFields, streams: list[RequestStream]) -> list[ChoiceView] | None:
         """Per choice, its echo / logprobs / prompt_logprobs view (`router_service.http.logprobs`); None when the

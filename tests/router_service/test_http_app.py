@@ -417,3 +417,20 @@ def test_64_concurrent_streams_through_the_replica_listener_arrive_in_order(llm)
         assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
     s = wait_idle(llm.router)
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
+def test_response_format_through_a_ray_rank(client):
+    """The grammar travels router -> rank over the rank channel (msgpack) and is enforced there: sampled outputs of
+    a bounded schema end with "stop" and validate (the tiny random model's own vocabulary)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 64, "temperature": 1.0, "n": 3, "seed": 1,
+                                             "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "x", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["text"]), schema)

@@ -94,10 +94,10 @@ def test_engine_rows_follow_the_processors_and_plain_rows_are_untouched(monkeypa
     engine saw; the plain rows of the same batch get the tokens they get alone; logprobs are the raw ones."""
     seen: list = []
 
-    def spy(logits, params, gens, controls=None):
+    def spy(logits, params, gens, controls=None, grammars=None):
         states = [None if g is None else g.getstate() for g in gens]
         outs = [list(c.output_ids) if c is not None else None for c in (controls or [None] * len(params))]
-        toks, errors = sample(logits, params, gens, controls)
+        toks, errors = sample(logits, params, gens, controls, grammars)
         seen.append((logits.clone(), list(params), states, outs, toks))
         return toks, errors
 

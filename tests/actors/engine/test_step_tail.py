@@ -44,13 +44,13 @@ def test_bad_logits_end_one_request_with_an_error(tiny_model_dir, monkeypatch):
     real = engine_module.sample
     seen = {"n": 0}
 
-    def nan_for_request_4(logits, params, gens, controls=None):
+    def nan_for_request_4(logits, params, gens, controls=None, grammars=None):
         for r, p in enumerate(params):
             if p.max_tokens == 13:  # request 4
                 seen["n"] += 1
                 if seen["n"] == 3:
                     logits[r] = float("nan")
-        return real(logits, params, gens, controls)
+        return real(logits, params, gens, controls, grammars)
 
     monkeypatch.setattr(engine_module, "sample", nan_for_request_4)
     eng = make_engine(path)
