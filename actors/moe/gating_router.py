@@ -39,7 +39,7 @@ import math
 import torch
 
 from kernels import tuning
-from kernels.gating import sanitize_router_logits, select_experts_ref
+from kernels.gating import sanitize_router_logits, select_experts_ref, topk_lowest_id
 from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, Routing
 from actors.moe.gating_state import RoutingState
 
@@ -177,7 +177,7 @@ class GatingRouter:
 
     def _dynamic(self, logits: torch.Tensor) -> Routing:
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
-        w, ids = torch.topk(probs, self.k_max, dim=-1)
+        w, ids = topk_lowest_id(probs, self.k_max)
         before = torch.cumsum(w, dim=-1) - w  # mass of the experts ranked above each one
         keep = before < self.cfg.top_p
         keep[:, : self.cfg.k_min] = True
@@ -237,7 +237,7 @@ class GatingRouter:
     def _sticky(self, layer: int, logits: torch.Tensor, batch: GatingBatch) -> Routing:
         T, K = logits.shape[0], self.K
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
-        ids = torch.topk(probs, K, dim=-1).indices
+        ids = topk_lowest_id(probs, K)[1]
         stored = self.state.prev_ids[batch.slots_T, layer, :K]
         if not batch.has_inner and 0 < T <= tuning.STICK_LIST_ROWS:
             # a decode step: every row's predecessor is stored; the rule on Python lists beats ~30 tiny ops
