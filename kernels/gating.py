@@ -4,7 +4,9 @@
 (`kernels.gating_triton.select_experts_triton`, same contract): scores = softmax(logits), selection by
 scores + a per-expert bias (auxiliary-loss-free balancing, DeepSeek-V3 arXiv 2412.19437 and Loss-Free
 Balancing arXiv 2408.15664; no bias = the model's exact routing), weights from the unbiased scores,
-optionally renormalised over the K chosen.
+optionally renormalised over the K chosen. Exact ties go to the lowest expert id in every implementation
+(`torch.topk` leaves the order of equal values unspecified: on CPU `topk(zeros(8), 2)` gives ids 6, 5), so the
+reference, the kernel and the gating policies built on `topk_lowest_id` choose the same experts.
 
 Shape legend: T = tokens, E = routed experts, K = experts per token (top-k).
 """
@@ -39,7 +41,7 @@ def topk_softmax_ref(logits_TE: torch.Tensor, k: int, renormalize: bool) -> tupl
     """Softmax over all experts, then top-k, optionally renormalised over the k chosen.
 
     This is the routing of Qwen2-MoE / Qwen3-MoE / OLMoE (and, with `renormalize=True`, equal to
-    Mixtral's top-k-then-softmax). Ties are broken as `torch.topk` does, as transformers does.
+    Mixtral's top-k-then-softmax). Exact ties go to the lowest expert id (`topk_lowest_id`).
 
     Args:
         logits_TE: [T, E] router logits (any float dtype; computed in fp32).
@@ -51,6 +53,19 @@ def topk_softmax_ref(logits_TE: torch.Tensor, k: int, renormalize: bool) -> tupl
         ValueError: if k is outside [1, E].
     """
     return select_experts_ref(logits_TE, k, renormalize)
+
+
+def topk_lowest_id(x_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(x, k, dim=-1)` with a defined tie order: values in descending order, equal values by
+    ascending index (a stable descending sort, then the first k).
+
+    Args:
+        x_TE: [T, E] float tensor without NaN (T may be 0). k: 0 <= k <= E.
+    Returns:
+        (values [T, k] in x's dtype, indices [T, k] int64).
+    """
+    v, i = torch.sort(x_TE, dim=-1, descending=True, stable=True)
+    return v[:, :k], i[:, :k]
 
 
 def check_selection_args(logits_TE: torch.Tensor, k: int, bias_E: torch.Tensor | None) -> None:
@@ -68,7 +83,8 @@ def select_experts_ref(logits_TE: torch.Tensor, k: int, renormalize: bool,
                        bias_E: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused selection, PyTorch reference: scores, bias, top-k, weights in one call.
 
-    scores = softmax(sanitize(logits)); ids = top-k of (scores + bias); weights = scores[ids], divided
+    scores = softmax(sanitize(logits)); ids = top-k of (scores + bias), exact ties to the lowest expert id
+    (as the kernel's arg-max rounds); weights = scores[ids], divided
     by their sum when `renormalize`. The bias steers selection only and never enters the weights, as in
     DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437, section 2.1.2).
 
@@ -85,9 +101,9 @@ def select_experts_ref(logits_TE: torch.Tensor, k: int, renormalize: bool,
     check_selection_args(logits_TE, k, bias_E)
     probs = torch.softmax(sanitize_router_logits(logits_TE), dim=-1)
     if bias_E is None:
-        w, ids = torch.topk(probs, k, dim=-1)
+        w, ids = topk_lowest_id(probs, k)
     else:
-        ids = torch.topk(probs + bias_E.to(probs.device, torch.float32), k, dim=-1).indices
+        ids = topk_lowest_id(probs + bias_E.to(probs.device, torch.float32), k)[1]
         w = probs.gather(1, ids)
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)

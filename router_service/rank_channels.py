@@ -80,9 +80,11 @@ class RankChannels:
         with self._lock:
             return len(self._conns) == len(self.ranks) and not self._closed
 
-    def post(self, owner: int, kind: bytes, payload: bytes) -> bool:
+    def post(self, owner: int, kind: bytes, payload: bytes, wake: bool = True) -> bool:
         """Write (kind, seq, payload) to rank `owner` and a wake with the same fresh seq to every other rank.
-        kind: `REQUEST` (payload `GenerateRequest.encode()`) or `ABORT` (the request id, UTF-8).
+        kind: `REQUEST` (payload `GenerateRequest.encode()`) or `ABORT` (the request id, UTF-8). wake=False: only
+        the owner's frame, with seq 0 (it wakes nobody; a later `post` or `wake_all` does, for every request
+        written before it: a batch of requests starts in one step).
 
         Returns False, sending nothing, while some channel is not up (the caller takes the actor calls).
         Raises OSError when a write fails (that rank's poller reports it unreachable)."""
@@ -91,9 +93,25 @@ class RankChannels:
                 return False
             conns = [self._conns[i] for i in range(len(self.ranks))]
         with self._send_lock:
+            if not wake:
+                conns[owner].sendall(encode_control(kind, 0, payload))
+                return True
             seq = self._next_seq()
             for i, conn in enumerate(conns):
                 conn.sendall(encode_control(kind, seq, payload) if i == owner else encode_control(WAKE, seq))
+        return True
+
+    def wake_all(self) -> bool:
+        """A fresh wake seq to every rank (after requests posted with wake=False). False while a channel is down.
+        Raises OSError when a write fails."""
+        with self._lock:
+            if self._closed or len(self._conns) != len(self.ranks):
+                return False
+            conns = [self._conns[i] for i in range(len(self.ranks))]
+        with self._send_lock:
+            seq = self._next_seq()
+            for conn in conns:
+                conn.sendall(encode_control(WAKE, seq))
         return True
 
     def _poll(self, rank: int) -> None:

@@ -110,7 +110,9 @@ class Router:
         return self.admission.encode(text, field)
 
     # ------------------------------------------------------------------ requests
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+               wake: bool = True) -> RequestStream:
+        """Hand the request to the least loaded rank. wake=False: wake no rank for it (`generate` wakes once)."""
         ids = self.validate(prompt, params)
         rid = request_id or uuid.uuid4().hex
         cost = len(ids) + params.max_tokens
@@ -132,7 +134,7 @@ class Router:
             self._streams[rid] = stream
         msg = GenerateRequest(request_id=rid, prompt_ids=ids, params=params.to_dict(), arrival=time.time()).encode()
         try:
-            sent = self._channels.post(rank, REQUEST, msg)
+            sent = self._channels.post(rank, REQUEST, msg, wake=wake)
             if not sent:  # the channels are not all up yet: the actor call, which returns once the rank holds it
                 ray.get(self.cluster.ranks[rank].add_request.remote(msg), timeout=30)
         except Exception as e:  # noqa: BLE001 - the client gets moeray's words, the log the exception's
@@ -144,7 +146,7 @@ class Router:
             pending = stream.abort_pending
             # drawn only now that the rank holds the request: a rank that has seen this seq also sees the request
             # (a seq drawn before could reach the ranks, via another request's wake, ahead of the request itself)
-            seq = None if sent else next(self._seq)
+            seq = None if sent or not wake else next(self._seq)
         if seq is not None:
             self._wake_others(None, seq)
         if pending:
@@ -310,14 +312,20 @@ class Router:
         return {"ok": ok, "status": "ok" if ok else "unhealthy", "ranks": ranks, "recoveries": len(self.recoveries)}
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Submit all prompts, wait for all; a bad prompt yields an `error` output, the rest go on."""
+        """Submit all prompts, then wake the ranks once (on an idle cluster all start in the same step), wait for
+        all; a bad prompt yields an `error` output, the rest go on."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         streams: list[RequestStream | RequestOutput] = []
         for p, sp in zip(prompts, plist):
             try:
-                streams.append(self.submit(p, sp))
+                streams.append(self.submit(p, sp, wake=False))
             except (InvalidRequestError, OverloadedError, EngineError) as e:
                 streams.append(RequestOutput(request_id="", prompt=p, finish_reason="error", error=str(e)))
+        try:  # over the channels if up (behind the requests written there), else the actor calls
+            if not self._channels.wake_all():
+                self._wake_others(None, next(self._seq))
+        except OSError:  # a broken channel: its rank's poller rebuilds the group and fails the requests
+            pass
         return [s.result() if isinstance(s, RequestStream) else s for s in streams]
 
     @property

@@ -25,6 +25,7 @@ from actors.model.attention import AttentionMetadata
 from actors.model.config import ModelConfig
 from actors.engine.config import EngineConfig
 from actors.engine.detokenizer import IncrementalDetokenizer, take_token
+from actors.engine.balancing import BalancingMixin
 from actors.engine.eplb import PlacementMixin
 from actors.engine.grammar import grammar_state
 from actors.engine.logprobs import step_logprobs
@@ -44,11 +45,8 @@ from kernels.cpu import cpu_kernels_available
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
 
-# engine steps between averagings of the `balanced` gating bias over the EP group (see `_sync_balancing_bias`)
-BIAS_SYNC_STEPS = 16
 
-
-class RankEngine(PlacementMixin):
+class RankEngine(PlacementMixin, BalancingMixin):
     """Model shard, KV cache and scheduler of one rank.
 
     Args:
@@ -192,8 +190,17 @@ class RankEngine(PlacementMixin):
     # ------------------------------------------------------------------------ step
     @torch.inference_mode()
     def step(self) -> list[TokenOutput]:
-        """Schedule, run one forward (possibly with zero tokens), sample, emit outputs."""
-        return self.run(self.plan())
+        """Schedule, run one forward (possibly with zero tokens), sample, emit outputs. For callers that drive
+        engines directly (tests, benchmarks): with a group, the `balanced` load is summed over it by one
+        all_reduce here; the lockstep loop (`run`) carries it in its step agreement instead."""
+        out = self.run(self.plan())
+        if self.group is not None:
+            load = self.take_balance_load()
+            if load is None:
+                load = torch.zeros(self.balance_width, dtype=torch.int64, device=self.device)
+            dist.all_reduce(load, group=self.group)
+            self.apply_balance_load(load)
+        return out
 
     def plan(self, schedule: bool = True) -> StepPlan:
         """Take new requests and aborts, schedule the step and build its metadata. schedule=False: an empty step."""
@@ -249,23 +256,12 @@ class RankEngine(PlacementMixin):
                 self._append(seq, tok, lp)
         t3 = time.perf_counter()
         self.timing["steps"] += 1
-        if self.group is not None and self.timing["steps"] % BIAS_SYNC_STEPS == 0:
-            self._sync_balancing_bias()
+        if self.group is None:  # alone: the step's `balanced` load is the group's (else see `take_balance_load`)
+            self._update_bias_alone()
         self.timing["forward_s"] += t2 - t1
         self.timing["sample_s"] += t3 - t2
         out, self.outputs = self.outputs, []
         return out
-
-    def _sync_balancing_bias(self) -> None:
-        """Average the `balanced` policy's per-expert bias over the EP group (one all_reduce of [L, E] fp32).
-
-        Each rank updates its bias from the loads of its own tokens; averaging every BIAS_SYNC_STEPS steps makes
-        the correction follow the cluster's expert load (what the experts, sharded over all ranks, actually
-        see) and keeps every rank's selection bias the same. Every rank runs the same number of steps, so
-        every rank joins this collective at the same step."""
-        bias = self.model.gating_router.bias
-        dist.all_reduce(bias, op=dist.ReduceOp.SUM, group=self.group)
-        bias /= dist.get_world_size(self.group)
 
     def _append(self, seq: Sequence, tok: int, lp: list | None = None) -> None:
         """Emit `seq`'s sampled token (`take_token`'s rules) and its logprob entry `lp`, with the prompt's logprobs
@@ -312,6 +308,7 @@ class RankEngine(PlacementMixin):
                                   positions_T=pos)
             h = self.model.forward(torch.tensor(prompt_ids, device=dev), pos, self.cache, meta,
                                    StepContext(gating=scratch, observer=observer))
+            self._update_bias_alone()  # one step of `balanced`: the prompt's load
             return self.model.logits(h).cpu()
         finally:
             self.cache.allocator.free_all(blocks)

@@ -6,11 +6,12 @@ and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than
 - `exact`: the model's own routing: softmax, top-k, renormalised iff the config's `norm_topk_prob`.
   The default, and the reference the others are measured against.
 - `balanced`: auxiliary-loss-free bias balancing (DeepSeek-V3, arXiv 2412.19437; Loss-Free Balancing,
-  arXiv 2408.15664). A per-layer, per-expert bias b is added to the scores for selection only; after
-  every `balance_every` routed tokens (or every call, if fewer), b_i += u * sign(mean load - load_i) over
-  that chunk's loads. Weights stay the unbiased scores. Selection runs in the fused kernel. With several
-  ranks each updates b from its own tokens and the engine averages b over the EP group every
-  `actors.engine.engine.BIAS_SYNC_STEPS` steps, so the correction follows the cluster's load.
+  arXiv 2408.15664). A per-layer, per-expert bias b is added to the scores for selection only; once per
+  step, b_i += u * sign(mean load - load_i) over that step's load of the layer's `balanced` tokens summed over
+  the EP group (`take_balance_load` on every rank, summed, then `update_bias` on every rank: the engine at
+  world size 1, the lockstep agreement otherwise), so every rank holds the same bias after every step and a
+  token's experts depend on the traffic balanced over, never on how it is split over ranks. Weights stay the
+  unbiased scores. Selection runs in the fused kernel.
 - `capacity`: each expert takes at most C = ceil(capacity_factor * T * K / E) tokens per call. In round
   j = 0..E-1 every token still short of K experts proposes its j-th best expert; an expert accepts the
   highest-scoring proposals up to its remaining room. C * E >= T * K, so every token ends with K experts:
@@ -39,7 +40,7 @@ import math
 import torch
 
 from kernels import tuning
-from kernels.gating import sanitize_router_logits, select_experts_ref
+from kernels.gating import sanitize_router_logits, select_experts_ref, topk_lowest_id
 from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, Routing
 from actors.moe.gating_state import RoutingState
 
@@ -74,6 +75,9 @@ class GatingRouter:
         self.device = torch.device(device)
         self.state = RoutingState(num_slots, num_layers, num_experts, max(self.k_max, top_k), hidden, self.device)
         self.bias = torch.zeros(num_layers, num_experts, dtype=torch.float32, device=self.device)
+        # [L, E] int64: `balanced` selections since the last `take_balance_load` (this rank's tokens)
+        self._balance_load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=self.device)
+        self._balance_pending = False
         self.policy_tokens = dict.fromkeys(POLICIES, 0)
         self.experts_used = 0  # routed (token, expert) pairs chosen, all policies
         if cfg.backend == "triton":
@@ -133,18 +137,29 @@ class GatingRouter:
 
     # ------------------------------------------------------------------ policies
     def _balanced(self, layer: int, logits: torch.Tensor) -> Routing:
-        T, n = logits.shape[0], self.cfg.balance_every
-        ws, idss = [], []
-        for a in range(0, T, n):
-            w, ids = self._select(logits[a : a + n], self.K, self.renorm, self.bias[layer])
-            load = torch.bincount(ids.reshape(-1), minlength=self.E).float()
-            self.bias[layer] += self.cfg.balance_rate * torch.sign(load.mean() - load)
-            ws.append(w)
-            idss.append(ids)
-        if not ws:
-            w, ids = self._select(logits, self.K, self.renorm, self.bias[layer])
-            return Routing(weights=w, ids=ids)
-        return Routing(weights=torch.cat(ws), ids=torch.cat(idss))
+        w, ids = self._select(logits, self.K, self.renorm, self.bias[layer])
+        if ids.numel():
+            self._balance_load[layer] += torch.bincount(ids.reshape(-1), minlength=self.E)
+            self._balance_pending = True
+        return Routing(weights=w, ids=ids)
+
+    # ------------------------------------------------------------------ balancing bias
+    def take_balance_load(self) -> torch.Tensor | None:
+        """This rank's `balanced` expert load since the last call: [L, E] int64 (a copy; the counters restart
+        at zero), or None when no `balanced` token was routed (nothing to add)."""
+        if not self._balance_pending:
+            return None
+        load, self._balance_pending = self._balance_load.clone(), False
+        self._balance_load.zero_()
+        return load
+
+    def update_bias(self, load_LE: torch.Tensor) -> None:
+        """One bias step from a step's `balanced` load summed over the EP group (the sum of every rank's
+        `take_balance_load`, zeros for a rank that had none): b_l += u * sign(mean_e load_l - load_l) for each
+        layer l with any load; other layers keep their bias. load_LE: [L, E] integer counts, any device."""
+        load = load_LE.to(self.device, torch.float32)
+        step = self.cfg.balance_rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
+        self.bias += torch.where(load.sum(dim=1, keepdim=True) > 0, step, 0.0)
 
     def _capacity(self, logits: torch.Tensor) -> Routing:
         T, E, K = logits.shape[0], self.E, self.K
@@ -177,7 +192,7 @@ class GatingRouter:
 
     def _dynamic(self, logits: torch.Tensor) -> Routing:
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
-        w, ids = torch.topk(probs, self.k_max, dim=-1)
+        w, ids = topk_lowest_id(probs, self.k_max)
         before = torch.cumsum(w, dim=-1) - w  # mass of the experts ranked above each one
         keep = before < self.cfg.top_p
         keep[:, : self.cfg.k_min] = True
@@ -237,7 +252,7 @@ class GatingRouter:
     def _sticky(self, layer: int, logits: torch.Tensor, batch: GatingBatch) -> Routing:
         T, K = logits.shape[0], self.K
         probs = torch.softmax(sanitize_router_logits(logits), dim=-1)
-        ids = torch.topk(probs, K, dim=-1).indices
+        ids = topk_lowest_id(probs, K)[1]
         stored = self.state.prev_ids[batch.slots_T, layer, :K]
         if not batch.has_inner and 0 < T <= tuning.STICK_LIST_ROWS:
             # a decode step: every row's predecessor is stored; the rule on Python lists beats ~30 tiny ops

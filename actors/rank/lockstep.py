@@ -16,6 +16,10 @@ while a peer that got the wake first reported no work: it slept with the request
 as a hung request in `tests/cluster/test_cluster.py`.) Since every `seq` reaches every rank, a rank
 that wakes for `seq` is always joined by the others. The fifth flag, the largest planned token count,
 lets every rank's dispatcher choose the fixed-capacity exchange for the step (`StepContext.step_max_tokens`).
+After the five flags each rank's row carries its `balanced` expert load of the previous step (L * E int64,
+`RankEngine.take_balance_load`; 256 bytes on the shipped model): the flags are MAXed, the loads SUMmed, and
+every rank applies the group's load to its balancing bias before the step (`apply_balance_load`), so the
+bias is the same on every rank after every step with no collective of its own.
 
 Expert placement changes (EPLB rebalancing) ride on the same agreement: the launcher first has every
 rank `prepare_placement(placement, epoch)` (weights read off the step thread), then `commit_placement(epoch)`
@@ -45,12 +49,14 @@ class LockstepLoop:
 
     def _loop(self) -> None:
         agreed, idle, W = 0, True, self.world_size
-        if self.shm is not None:  # CPU: numpy views of the tensors, 1 numpy op each instead of ~10 torch ops
-            flag_np, in_np = np.zeros((W, 5), dtype=np.int64), np.zeros((W, 5), dtype=np.int64)
+        n = 5 + self.engine.balance_width  # the flags, then the `balanced` load counters
+        shm = self.shm if self.shm is not None and self.shm.fits(8 * n) else None
+        if shm is not None:  # CPU: numpy views of the tensors, 1 numpy op each instead of ~10 torch ops
+            flag_np, in_np = np.zeros((W, n), dtype=np.int64), np.zeros((W, n), dtype=np.int64)
             flag, flags_in = torch.from_numpy(flag_np).view(-1), torch.from_numpy(in_np).view(-1)
         else:
-            flag = torch.zeros(5, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
-            flags_in = torch.zeros(5 * W, dtype=torch.int64, device=self.engine.device)
+            flag = torch.zeros(n, dtype=torch.int64, device=self.engine.device)  # NCCL needs it on the GPU
+            flags_in = torch.zeros(n * W, dtype=torch.int64, device=self.engine.device)
         try:
             while True:
                 with self._cond:
@@ -68,25 +74,32 @@ class LockstepLoop:
                     # this rank's step is planned before the agreement, so the group learns its largest token
                     # count (the dispatcher's fixed capacity) in the same agreement
                     plan = self.engine.plan() if self.engine.has_work and not stop else None
-                    n = plan.num_tokens if plan is not None else 0
-                    mine = (int(plan is not None), -seen, int(stop), -committed, n)
+                    mine = (int(plan is not None), -seen, int(stop), -committed, plan.num_tokens if plan else 0)
+                    load = self.engine.take_balance_load()  # the previous step's, [L * E] int64 or None
                     t0 = time.perf_counter()
                     # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
                     # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
-                    if self.shm is not None:
-                        flag_np[:] = mine  # every row: the flags go to every rank
-                        self.shm.all_to_all_single(flags_in, flag)
-                        work, agreed, stop, committed, t_max = in_np.max(0).tolist()
+                    if shm is not None:
+                        flag_np[:, :5] = mine  # every row: the flags go to every rank
+                        flag_np[:, 5:] = 0 if load is None else load.numpy()
+                        shm.all_to_all_single(flags_in, flag)
+                        work, agreed, stop, committed, t_max = in_np[:, :5].max(0).tolist()
+                        group_load = in_np[:, 5:].sum(0)
                     else:
-                        flag[0], flag[1], flag[2], flag[3], flag[4] = mine
+                        flag[:5] = torch.tensor(mine)
+                        flag[5:] = 0 if load is None else load
                         dist.all_to_all_single(flags_in, flag.repeat(W), group=self.group)
-                        work, agreed, stop, committed, t_max = flags_in.view(W, 5).amax(0).tolist()
+                        rows = flags_in.view(W, n)
+                        work, agreed, stop, committed, t_max = rows[:, :5].amax(0).tolist()
+                        group_load = rows[:, 5:].sum(0)
                     self.engine.timing["sync_s"] += time.perf_counter() - t0
                     agreed, committed = -agreed, -committed  # the smallest seq seen, the smallest epoch committed
                 else:  # alone: nothing to agree on (and no tensor ops on the decode path)
                     work, agreed = self.engine.has_work, seen
                 if stop:
                     break
+                if self.world_size > 1:  # the same sum on every rank: the same bias for this step
+                    self.engine.apply_balance_load(group_load)
                 if committed > self._applied_epoch:  # committed on every rank: switch now, all together
                     self._apply_placement(committed)
                 if not work:

@@ -65,3 +65,42 @@ def test_zero_tokens_and_bad_args():
         select_experts_triton(torch.zeros(1, 8), 9, False)
     with pytest.raises(ValueError, match="bias"):
         select_experts_ref(torch.zeros(1, 8), 2, False, torch.zeros(7))
+
+
+def test_the_interpreter_runs_the_kernel_on_cpu():
+    """CI has no GPU: the kernel tests above run the Triton kernel on CPU tensors through the interpreter
+    (tests/conftest.py sets TRITON_INTERPRET=1), never skipped."""
+    import os
+
+    assert torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    w, ids = select_experts_triton(torch.tensor([[0.0, 2.0, 1.0]]), 1, False)
+    assert ids.device.type == ("cuda" if torch.cuda.is_available() else "cpu") and ids.tolist() == [[1]]
+
+
+@pytest.mark.parametrize("fn", [select_experts_ref, select_experts_triton])
+def test_exact_ties_go_to_the_lowest_expert_id(fn):
+    # uniform rows (all logits equal): the first k experts, in id order
+    assert fn(torch.zeros(1, 8), 2, False)[1].tolist() == [[0, 1]]
+    assert fn(torch.zeros(3, 8), 4, True)[1].tolist() == [[0, 1, 2, 3]] * 3
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0, 0.0],   # a three-way tie for first place: ids 1, 2 chosen
+                           [5.0, 2.0, 2.0, 2.0, 0.0, 2.0],   # first place clear, a tie for the second slot
+                           [1.0, 1.0, 4.0, 1.0, 1.0, 4.0]])  # tie for first (2, 5): order by id
+    assert fn(logits, 2, False)[1].tolist() == [[1, 2], [0, 1], [2, 5]]
+    # ties made by the selection bias: scores 1/8 + b with b equal on experts 3 and 6
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.01, 0.0, 0.0, 0.01, 0.0])
+    w, ids = fn(torch.zeros(2, 8), 3, False, bias)
+    assert ids.tolist() == [[3, 6, 0]] * 2 and torch.equal(w, torch.full((2, 3), 0.125))
+
+
+@pytest.mark.parametrize("fn", [select_experts_ref, select_experts_triton])
+def test_near_ties_go_to_the_larger_score_whatever_its_id(fn):
+    """One float32 ulp decides: the highest expert id wins when its score is one ulp above the others."""
+    ulp = float(torch.nextafter(torch.tensor(0.125), torch.tensor(1.0))) - 0.125  # 2**-26
+    bias = torch.zeros(8)
+    bias[7] = ulp  # scores 0.125 (exact: softmax of equal logits) + bias
+    assert fn(torch.zeros(1, 8), 2, False, bias)[1].tolist() == [[7, 0]]
+    bias[4] = ulp
+    bias[6] = 2 * ulp
+    assert fn(torch.zeros(1, 8), 3, False, bias)[1].tolist() == [[6, 4, 7]]
+    logits = torch.tensor([[0.0, 1.0, 1.0 + 1e-6, 1.0 - 1e-6, 0.0]])  # distinct after softmax, by ~8 ulps
+    assert fn(logits, 3, False)[1].tolist() == [[2, 1, 3]]
