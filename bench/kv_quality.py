@@ -1,11 +1,25 @@
-"""KV-cache quantization quality: held-out perplexity per domain vs effective bits per element.
+"""KV-cache quantization quality: perplexity, KL divergence, same-top-1 and retrieval per KV width and context.
 
 For each domain (prose, code) of `<model>/heldout/<domain>.txt`: the first `--calib-tokens` tokens calibrate
-the profiles (never evaluated), then non-overlapping 1024-token windows after them are evaluated. Every
-row runs the model over each window with its keys and values written through a cache and read back as in
-decoding: token i attends to keys quantized as soon as their block (ours) or group (KIVI) is complete at
-step i, and in full precision otherwise (the prefill path of `QuantizedPagedKVCache` provably gives the
-decode numbers, see tests/actors/kv/test_kv_quant_cache.py).
+the profiles (never evaluated; forwards of 1024 tokens), then, for each context C of `--contexts` (default
+1024 and 4096 where the model's max_position_embeddings allows, else its max; contexts beyond the model's are
+listed as not run), non-overlapping C-token windows after them are evaluated. Every row runs the model over
+each window with its keys and values written through a cache and read back as in decoding: token i attends to
+keys quantized as soon as their block (ours) or group (KIVI) is complete at step i, and in full precision
+otherwise (the prefill path of `QuantizedPagedKVCache` provably gives the decode numbers, see
+tests/actors/kv/test_kv_quant_cache.py). Per row and context:
+  * perplexity per domain and dppl, its increase over fp16-kv in percent;
+  * KLD: mean KL(p_fp16 || p_row) per position in nats against the fp16-kv run's distribution, and top1: the
+    share of positions where both runs' most likely token agree, in percent (llama.cpp `llama-perplexity
+    --kl-divergence`, "same top p"), over every evaluated position of both domains (positions 0 .. C-2 of
+    each window); in windows longer than 1024 also over the positions >= 1024 apart (">1k");
+  * with `--retrieval`, for the rows fp16-kv, ours2/3/4, kivi2-m/kivi3-m: exact-match accuracy on retrieval
+    records (scripts/retrieval_records.py: a 5-digit value planted in held-out text after the calibration
+    head, asked for at the end) at 10 depths (10%-90%) x `--per-cell` records (half prose, half code, the
+    same records for every row), a prompt of C - 6 tokens so that prompt and answer fit the context; the
+    prompt is prefilled through the row's cache and up to 6 tokens decoded greedily, one decode step each
+    (the quantized cache seals and reads its pages as in serving; bench/kv_eval.py); a 95% Wilson interval,
+    and the accuracy as a fraction of fp16-kv's (defined as 0 when fp16-kv's accuracy is 0).
 
 Rows:
   fp16-kv        the full-precision cache (reference; compute in fp32, counted as 16 bits)
@@ -34,19 +48,25 @@ Rows:
                  `int8out2` 2 key outlier channels per head stored int8 with a calibrated per-channel
                  scale/zero (not at 2 bits, where a large channel gets up to 8 bits anyway); `vs8` the
                  per-token V scale as an 8-bit log2 code (1/16 octave, rounded up)
-Effective bits count everything stored for one 1024-token window at the end of the window (1024 is a multiple
-of the 16-token block, so without a sink nothing is left unsealed; with one, 15 tail tokens are): codes, fp16
+Effective bits count everything stored for one window of the first context (1024 by default; a multiple of
+the 16-token block, so without a sink nothing is left unsealed; with one, 15 tail tokens are): codes, fp16
 scales, outlier values, full-precision sink/tail tokens at 16 bits, and the profile tensors amortised over
 this one window. The per-sequence staging buffer (sink + one block of rows) is reserved by the cache whether or
-not it holds live tokens and is not counted. dppl = perplexity increase over fp16-kv in percent.
+not it holds live tokens and is not counted.
 
-    python bench/kv_quality.py --quick        # ~5 minutes on 2 CPU cores
-    python bench/kv_quality.py --windows 8
+    python bench/kv_quality.py --quick --retrieval     # today's 1024-token model: ~15 minutes on 2 CPU cores
+    python bench/kv_quality.py --windows 8 --retrieval --contexts 1024,2048,4096
 
 Last line: `RESULT bits3=.. dppl3_prose=.. dppl3_code=.. bits2=.. dppl2_prose=.. dppl2_code=.. uniform3_bits=..
 uniform3_prose=.. uniform3_code=.. kivi3m_bits=.. kivi3m_prose=.. kivi3m_code=.. kivi2m_bits=.. kivi2m_prose=..
-kivi2m_code=..` (bitsN / dpplN_*: the row `oursN`, i.e. the shipped N-bit recipe; uniform3: `kivi3`;
-kivi3m / kivi2m: `kivi3-m` / `kivi2-m`).
+kivi2m_code=.. ppl_prose=.. ppl_code=..`, all at the first context (bitsN / dpplN_*: the row `oursN`, i.e. the
+shipped N-bit recipe; uniform3: `kivi3`; kivi3m / kivi2m: `kivi3-m` / `kivi2-m`; ppl_*: fp16-kv's perplexity),
+then for each tag T of 1k (1024 tokens) and 4k (4096 tokens): `kldN_T=.. top1_N_T=.. retrN_T=..` for N = 3, 2, 4
+(row oursN), `kivi3m_kld_T=.. kivi3m_top1_T=.. kivi3m_retr_T=..`, the same for kivi2m, and `fp16_retr_T=..`
+(KLD in nats, top1 in percent, retr as a fraction of fp16-kv's accuracy, 0 when that is 0; fp16_retr: fp16-kv's
+own accuracy in [0, 1]). A tagged key is 0 when the model cannot run that context (the table says "4k: not run
+(model context 1024)"), nan when it was not in --contexts, its row was not run (--rows) or retrieval was not
+run; a key is never filled from another context.
 """
 from __future__ import annotations
 
@@ -60,7 +80,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.model.attention import AttentionMetadata  # noqa: E402
 from actors.model.config import ModelConfig  # noqa: E402
 from actors.moe.placement import ExpertPlacement  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
@@ -72,13 +91,18 @@ from actors.kv.interface import KVCache  # noqa: E402
 from actors.kv.profiles import ModelKVProfile  # noqa: E402
 from actors.kv.quantized import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
-from bench.kivi import kivi_dequantize, kivi_quantize  # noqa: E402
+from bench.kv_eval import BLOCK, KiviCache, WindowStats, add_window, score_records, window_logits  # noqa: E402
+from bench.kv_report import DOMAINS, Row, print_tables, result_line  # noqa: E402
 from kernels.kv_quant import dequantize_kv, nearest_level, quantize_kv  # noqa: E402
 from kernels.rope import apply_rope, rope_tables  # noqa: E402
+from scripts.retrieval_records import build_eval_records  # noqa: E402
 
-WINDOW = 1024
-BLOCK = 16
-DOMAINS = ("prose", "code")
+DEFAULT_CONTEXTS = (1024, 4096)
+CALIB_WINDOW = 1024  # calibration forwards: the model card's window (or the model's context if shorter)
+TAIL_FROM = 1024  # KLD / same-top-1 of positions >= this are also reported apart in longer windows
+DEPTHS = tuple(round(0.1 + i * 0.8 / 9, 4) for i in range(10))  # 10 depths, 10% .. 90% of the context
+RETRIEVAL_NEW_TOKENS = 6  # greedy tokens at most: a 5-digit answer is 2-4 tokens here, then "."
+RETRIEVAL_ROWS = ("fp16-kv", "ours2", "ours3", "ours4", "kivi2-m", "kivi3-m")
 # (row suffix, changes to the recipe, sink tokens or None for the recipe's)
 ABLATIONS = [
     ("-mse", {"k_range": "minmax"}, None),
@@ -105,44 +129,16 @@ QUICK_ABLATION_BITS = (2,)
 KIVI_MATCHED = (128, 64)
 
 
-class KiviCache(KVCache):
-    """KIVI-style uniform quantization of one prefill sequence, read back as decoding would see it."""
-
-    def __init__(self, bits: int, group: int = 32, v_group: int | None = None):
-        self.bits, self.group, self.v_group = bits, group, v_group or group
-        self.allocator = BlockAllocator(WINDOW)
-        self.block_size, self.num_blocks = BLOCK, WINDOW
-        self.eff_bits: list[float] = []
-
-    def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
-        (start, n, ctx, _), = meta.prefills
-        if n != ctx:
-            raise ValueError("KiviCache evaluates whole windows only")
-        k = rotary.apply(k_THD, positions_T).float()  # KIVI quantizes post-RoPE keys
-        v = v_THD.float()
-        g = self.group
-        nq = ctx // g * g  # complete groups are quantized, the rest stays full precision
-        k_dq, v_dq = k.clone(), v.clone()
-        if nq:
-            qz = kivi_quantize(k[:nq], v[:nq], bits=self.bits, group_size=g, v_group_size=self.v_group)
-            k_dq[:nq], v_dq[:nq] = kivi_dequantize(qz)
-            if layer == 0:
-                self.eff_bits.append((qz.effective_bits() * nq + 16.0 * (ctx - nq)) / ctx)
-        pos = positions_T.to(torch.int64)
-        hi = (pos + 1) // g * g
-        return mixed_causal_attention(q_THD, k, v, k_dq, v_dq, pos, 0, hi, scale).to(q_THD.dtype)
-
-
 class SimulatedCache(KVCache):
     """Our quantization through a quantize-dequantize function `qdq(layer, k_pre [C,H,D], v) -> (k, v)`, with
     the visibility rule of `QuantizedPagedKVCache` (no sink: key j is quantized for query p iff j < 16 *
     ((p + 1) // 16)). For storage formats the cache cannot hold yet."""
 
-    def __init__(self, qdq, rope_theta: float, head_dim: int):
+    def __init__(self, qdq, rope_theta: float, head_dim: int, max_tokens: int):
         self.qdq = qdq
-        self.cos, self.sin = rope_tables(WINDOW, head_dim, base=rope_theta)
-        self.allocator = BlockAllocator(WINDOW)
-        self.block_size, self.num_blocks = BLOCK, WINDOW
+        self.cos, self.sin = rope_tables(max_tokens, head_dim, base=rope_theta)
+        self.block_size, self.num_blocks = BLOCK, -(-max_tokens // BLOCK) + 1
+        self.allocator = BlockAllocator(self.num_blocks)
 
     def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
         (start, n, ctx, _), = meta.prefills
@@ -196,41 +192,41 @@ def _vscale8_qdq(prof: ModelKVProfile):
     return qdq
 
 
-def window_nll(engine: RankEngine, cache, ids: list[int]) -> tuple[float, int]:
-    """Summed next-token NLL (nats) and token count of one window through `cache`."""
-    bs = cache.block_size
-    n = len(ids)
-    blocks = [cache.allocator.allocate() for _ in range(-(-n // bs))]
-    try:
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([blocks[i // bs] * bs + i % bs for i in range(n)], dtype=torch.int64),
-            decode_tokens=torch.zeros(0, dtype=torch.int64), decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-            decode_context_lens=torch.zeros(0, dtype=torch.int64),
-            prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64))])
-        with torch.inference_mode():
-            h = engine.model.forward(torch.tensor(ids), torch.arange(n), cache, meta)
-            logits = engine.model.logits(h[:-1])
-        nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum")
-        return float(nll), n - 1
-    finally:
-        cache.allocator.free_all(blocks)
+def parse_contexts(text: str) -> list[int]:
+    """`--contexts 1024,4096` -> [1024, 4096] (sorted, unique). Raises SystemExit naming the bad value."""
+    out = set()
+    for part in text.split(","):
+        try:
+            c = int(part)
+        except ValueError:
+            raise SystemExit(f"--contexts: {part!r} is not an integer") from None
+        if c < 4 * BLOCK or c % BLOCK:
+            raise SystemExit(f"--contexts: {c} must be a multiple of {BLOCK} and >= {4 * BLOCK}")
+        out.add(c)
+    return sorted(out)
 
 
-def ppl(engine, cache, windows) -> float:
-    tot = cnt = 0
-    for w in windows:
-        a, b = window_nll(engine, cache, w)
-        tot, cnt = tot + a, cnt + b
-    return math.exp(tot / cnt)
+def default_contexts(model_max: int) -> list[int]:
+    """1,024 and 4,096 where the model's max_position_embeddings allows, else its max."""
+    return sorted({min(c, model_max) // BLOCK * BLOCK for c in DEFAULT_CONTEXTS})
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--quick", action="store_true",
-                    help="2 windows per domain, 4096 calibration tokens, ablations and simulated rows at 2 bits only")
-    ap.add_argument("--windows", type=int, default=8, help="evaluation windows per domain at most")
+                    help="2 windows per domain and context, 4096 calibration tokens, ablations and simulated rows "
+                         "at 2 bits only, 8 retrieval records per (context, depth)")
+    ap.add_argument("--windows", type=int, default=8, help="evaluation windows per domain and context at most")
+    ap.add_argument("--contexts", default=None, metavar="C1,C2",
+                    help="window lengths in tokens (default: 1024,4096 where the model's max_position_embeddings "
+                         "allows, else its max); contexts beyond the model's are reported as not run")
     ap.add_argument("--calib-tokens", type=int, default=8192, help="held-out head used for calibration")
+    ap.add_argument("--retrieval", action="store_true",
+                    help=f"retrieval exact match for the rows {', '.join(RETRIEVAL_ROWS)}")
+    ap.add_argument("--per-cell", type=int, default=None,
+                    help="retrieval records per (context, depth), half prose, half code (default 20; --quick: 8)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the retrieval records")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--rows", nargs="+", default=None, metavar="NAME",
                     help="only these rows, by exact name (e.g. `--rows ours3 'ours3 cross'`); RESULT keys of "
@@ -239,44 +235,75 @@ def main(argv=None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     n_win = 2 if a.quick else a.windows
+    per_cell = a.per_cell or (8 if a.quick else 20)
     if a.quick:
         a.calib_tokens = min(a.calib_tokens, 4096)
     abl_bits = QUICK_ABLATION_BITS if a.quick else (2, 3)
     t0 = time.perf_counter()
     mc = ModelConfig.from_pretrained(a.model)
-    eng = RankEngine(EngineConfig(model=a.model, max_model_len=WINDOW, max_num_seqs=1, kv_cache_bytes=2**27),
+    model_max = mc.max_position_embeddings
+    asked = parse_contexts(a.contexts) if a.contexts else default_contexts(model_max)
+    ctxs = [c for c in asked if c <= model_max]
+    if not ctxs:
+        raise SystemExit(f"--contexts {a.contexts}: every context exceeds the model's max_position_embeddings="
+                         f"{model_max}")
+    c0, maxt = ctxs[0], ctxs[-1]
+    eng = RankEngine(EngineConfig(model=a.model, max_model_len=maxt, max_num_seqs=1, kv_cache_bytes=2**27),
                      ExpertPlacement.contiguous(mc.num_layers, max(mc.num_experts, 1), 1))
-    fp_cache = eng.cache
-    data = {}
-    for dom in DOMAINS:
-        ids = eng.tokenizer.encode(open(os.path.join(a.model, "heldout", f"{dom}.txt")).read()).ids
+    model, tok, fp_cache = eng.model, eng.tokenizer, eng.cache
+    data, records = {}, {}
+    for i, dom in enumerate(DOMAINS):
+        ids = tok.encode(open(os.path.join(a.model, "heldout", f"{dom}.txt")).read()).ids
         calib = ids[:a.calib_tokens]
         rest = ids[a.calib_tokens:]
-        windows = [rest[i:i + WINDOW] for i in range(0, len(rest) - WINDOW + 1, WINDOW)][:n_win]
-        if not windows:
-            raise SystemExit(f"{dom}: {len(ids)} held-out tokens leave no {WINDOW}-token window after calibration")
-        k, v, qe = collect_calibration_kv(eng, calib, window=WINDOW, with_query_energy=True)
-        data[dom] = (windows, k, v, qe)
-    rows: list[tuple[str, int, float, dict]] = []  # (name, bits, effective bits, {domain: ppl})
+        wins = {c: [rest[j:j + c] for j in range(0, len(rest) - c + 1, c)][:n_win] for c in ctxs}
+        for c, w in wins.items():
+            if not w:
+                raise SystemExit(f"{dom}: {len(ids)} held-out tokens leave no {c}-token window after calibration")
+        k, v, qe = collect_calibration_kv(eng, calib, window=min(CALIB_WINDOW, maxt), with_query_energy=True)
+        data[dom] = (wins, k, v, qe)
+        if a.retrieval:  # from the held-out text after the calibration head; prompt + answer fit the context
+            n_dom = per_cell // 2 + (per_cell % 2 if i == 0 else 0)
+            records[dom] = build_eval_records(tok, tok.decode(rest), [c - RETRIEVAL_NEW_TOKENS for c in ctxs],
+                                              DEPTHS, n_dom, seed=a.seed)
+    # the full-precision reference: log-probabilities of every window (also the fp16-kv row, KLD 0 by definition)
+    ref = {dom: {c: [] for c in ctxs} for dom in DOMAINS}
+    rows: list[Row] = []
 
-    def add_row(name, bits, make_cache, bits_of):
-        if a.rows and name not in a.rows:
+    def evaluate(name, bits, make_cache, bits_of):
+        if rows and a.rows and name not in a.rows:
             return
-        res, eb = {}, []
+        stats = {c: {} for c in ctxs}
+        retr = {c: [0, 0] for c in ctxs} if a.retrieval and name in RETRIEVAL_ROWS else {}
+        eb = []
         for dom in DOMAINS:
             cache = make_cache(dom)
-            res[dom] = ppl(eng, cache, data[dom][0])
-            eb.append(bits_of(dom, cache))
-        rows.append((name, bits, sum(eb) / len(eb), res))
-        print(f"  {name:<24} {rows[-1][2]:.3f} bits  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            for c in ctxs:
+                st = stats[c][dom] = WindowStats()
+                for j, w in enumerate(data[dom][0][c]):
+                    logits = window_logits(model, cache, w)
+                    if not rows:  # the reference row itself
+                        ref[dom][c].append(torch.log_softmax(logits, dim=-1))
+                    add_window(st, logits, torch.tensor(w[1:]), ref[dom][c][j], TAIL_FROM if c > TAIL_FROM else None)
+                if c == c0:
+                    eb.append(bits_of(dom, cache))
+            if retr:
+                for r, hit in zip(records[dom], score_records(model, cache, tok, records[dom],
+                                                              RETRIEVAL_NEW_TOKENS, eng.eos)):
+                    cell = retr[r.context + RETRIEVAL_NEW_TOKENS]
+                    cell[0], cell[1] = cell[0] + hit, cell[1] + 1
+        rows.append(Row(name, bits, sum(eb) / len(eb), stats, retr))
+        print(f"  {name:<24} {rows[-1].eff_bits:.3f} bits  ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
 
-    base = {dom: ppl(eng, fp_cache, data[dom][0]) for dom in DOMAINS}
-    rows.append(("fp16-kv", 16, 16.0, base))
+    def kivi_bits(dom, c):
+        return sum(c.eff_bits) / len(c.eff_bits)
+
+    evaluate("fp16-kv", 16, lambda dom: fp_cache, lambda dom, c: 16.0)
     for bits in (2, 3, 4):
-        add_row(f"kivi{bits}", bits, lambda dom, b=bits: KiviCache(b), lambda dom, c: sum(c.eff_bits) / len(c.eff_bits))
+        evaluate(f"kivi{bits}", bits, lambda dom, b=bits: KiviCache(b, max_tokens=maxt), kivi_bits)
     for bits in (2, 3):
-        add_row(f"kivi{bits}-m", bits, lambda dom, b=bits: KiviCache(b, *KIVI_MATCHED),
-                lambda dom, c: sum(c.eff_bits) / len(c.eff_bits))
+        evaluate(f"kivi{bits}-m", bits, lambda dom, b=bits: KiviCache(b, *KIVI_MATCHED, max_tokens=maxt), kivi_bits)
 
     profiles: dict = {}
 
@@ -291,21 +318,21 @@ def main(argv=None) -> int:
 
     def ours(dom, prof, sink):
         return QuantizedPagedKVCache(
-            num_layers=mc.num_layers, num_blocks=WINDOW // BLOCK + 1, block_size=BLOCK,
+            num_layers=mc.num_layers, num_blocks=maxt // BLOCK + 1, block_size=BLOCK,
             num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, profiles={dom: prof}, default_profile=dom,
-            max_sequences=1, sink_tokens=sink, rope_theta=mc.rope_theta, max_positions=WINDOW)
+            max_sequences=1, sink_tokens=sink, rope_theta=mc.rope_theta, max_positions=maxt)
 
     def sim(qdq_of):
-        return lambda dom: SimulatedCache(qdq_of(dom), mc.rope_theta, mc.head_dim)
+        return lambda dom: SimulatedCache(qdq_of(dom), mc.rope_theta, mc.head_dim, maxt)
 
     ns0 = RECOMMENDED_SINK_TOKENS
     for bits in (2, 3, 4):
-        add_row(f"ours{bits}", bits, lambda dom, b=bits: ours(dom, profile(dom, b), ns0),
-                lambda dom, c, b=bits: model_effective_bits(profile(dom, b), WINDOW, sink_tokens=ns0))
+        evaluate(f"ours{bits}", bits, lambda dom, b=bits: ours(dom, profile(dom, b), ns0),
+                 lambda dom, c, b=bits: model_effective_bits(profile(dom, b), c0, sink_tokens=ns0))
         if bits in (2, 3):  # domain-mismatched profile: prose windows through the code profile and vice versa
             other = {"prose": "code", "code": "prose"}
-            add_row(f"ours{bits} cross", bits, lambda dom, b=bits: ours(dom, profile(other[dom], b), ns0),
-                    lambda dom, c, b=bits: model_effective_bits(profile(other[dom], b), WINDOW, sink_tokens=ns0))
+            evaluate(f"ours{bits} cross", bits, lambda dom, b=bits: ours(dom, profile(other[dom], b), ns0),
+                     lambda dom, c, b=bits: model_effective_bits(profile(other[dom], b), c0, sink_tokens=ns0))
         if bits not in abl_bits:
             continue
         per_channel = RECOMMENDED_FIT_OPTIONS[bits].get("k_channel_bits") is not None
@@ -315,48 +342,44 @@ def main(argv=None) -> int:
                 change = {k: x for k, x in change.items() if k not in K_GRID_OPTIONS}
             if ns == ns0 and all(RECOMMENDED_FIT_OPTIONS[bits].get(k) == x for k, x in change.items()):
                 continue  # the recipe itself
-            add_row(f"ours{bits}{suffix}", bits, lambda dom, b=bits, c=change, n=ns: ours(dom, profile(dom, b, **c), n),
-                    lambda dom, _, b=bits, c=change, n=ns: model_effective_bits(profile(dom, b, **c), WINDOW,
-                                                                             sink_tokens=n))
+            evaluate(f"ours{bits}{suffix}", bits,
+                     lambda dom, b=bits, c=change, n=ns: ours(dom, profile(dom, b, **c), n),
+                     lambda dom, _, b=bits, c=change, n=ns: model_effective_bits(profile(dom, b, **c), c0,
+                                                                              sink_tokens=n))
         if per_channel:  # the per-channel key recipe against its parts
             for suffix, change, qw in PER_CHANNEL_ROWS:
-                add_row(f"ours{bits}{suffix}", bits,
-                        lambda dom, b=bits, c=change, q=qw: ours(dom, profile(dom, b, q, **c), ns0),
-                        lambda dom, _, b=bits, c=change, q=qw: model_effective_bits(profile(dom, b, q, **c), WINDOW,
-                                                                                 sink_tokens=ns0))
+                evaluate(f"ours{bits}{suffix}", bits,
+                         lambda dom, b=bits, c=change, q=qw: ours(dom, profile(dom, b, q, **c), ns0),
+                         lambda dom, _, b=bits, c=change, q=qw: model_effective_bits(profile(dom, b, q, **c), c0,
+                                                                                  sink_tokens=ns0))
         # simulated formats; bits = the servable profile's bits minus what the cheaper field saves per element
         # (one int8 instead of fp16 outlier: 8 bits per token and head over 2 * D elements; likewise the V scale)
         save = 8.0 / (2 * mc.head_dim)
         if not per_channel:  # per-channel key widths already give a large channel up to 8 bits
-            add_row(f"ours{bits} int8out2 (sim)", bits,
-                    sim(lambda dom, b=bits: _int8_outlier_qdq(profile(dom, b, n_outlier=2), data[dom][1])),
-                    lambda dom, _, b=bits: model_effective_bits(profile(dom, b, n_outlier=2), WINDOW, sink_tokens=0)
-                    - 2 * save)
-        add_row(f"ours{bits} vs8 (sim)", bits, sim(lambda dom, b=bits: _vscale8_qdq(profile(dom, b))),
-                lambda dom, _, b=bits: model_effective_bits(profile(dom, b), WINDOW, sink_tokens=0) - save)
+            evaluate(f"ours{bits} int8out2 (sim)", bits,
+                     sim(lambda dom, b=bits: _int8_outlier_qdq(profile(dom, b, n_outlier=2), data[dom][1])),
+                     lambda dom, _, b=bits: model_effective_bits(profile(dom, b, n_outlier=2), c0, sink_tokens=0)
+                     - 2 * save)
+        evaluate(f"ours{bits} vs8 (sim)", bits, sim(lambda dom, b=bits: _vscale8_qdq(profile(dom, b))),
+                 lambda dom, _, b=bits: model_effective_bits(profile(dom, b), c0, sink_tokens=0) - save)
 
-    def dppl(r, dom):
-        return 100.0 * (r[3][dom] / base[dom] - 1.0)
-
-    print(f"model {a.model}  windows/domain {len(data['prose'][0])}/{len(data['code'][0])} x {WINDOW} tokens  "
-          f"calibration {a.calib_tokens} tokens/domain  ({time.perf_counter() - t0:.0f} s)")
-    print(f"{'config':<24}{'bits/elem':>10}{'ppl prose':>11}{'dppl%':>8}{'ppl code':>10}{'dppl%':>8}")
-    for r in rows:
-        print(f"{r[0]:<24}{r[2]:>10.3f}{r[3]['prose']:>11.3f}{dppl(r, 'prose'):>8.2f}{r[3]['code']:>10.3f}"
-              f"{dppl(r, 'code'):>8.2f}")
-
-    nan_row = ("", 0, float("nan"), {d: float("nan") for d in DOMAINS})
-
-    def row(name):
-        return next((r for r in rows if r[0] == name), nan_row)  # a row left out by --rows
-
-    def keys(key, r):
-        return f"{key}_bits={r[2]:.3f} {key}_prose={dppl(r, 'prose'):.3f} {key}_code={dppl(r, 'code'):.3f}"
-
-    b3, b2 = row("ours3"), row("ours2")
-    print(f"RESULT bits3={b3[2]:.3f} dppl3_prose={dppl(b3, 'prose'):.3f} dppl3_code={dppl(b3, 'code'):.3f} "
-          f"bits2={b2[2]:.3f} dppl2_prose={dppl(b2, 'prose'):.3f} dppl2_code={dppl(b2, 'code'):.3f} "
-          f"{keys('uniform3', row('kivi3'))} {keys('kivi3m', row('kivi3-m'))} {keys('kivi2m', row('kivi2-m'))}")
+    n_w = {c: f"{len(data['prose'][0][c])}/{len(data['code'][0][c])}" for c in ctxs}
+    header = (f"model {a.model} (max_position_embeddings {model_max})  contexts run: {', '.join(map(str, ctxs))}  "
+              f"windows/domain (prose/code): {', '.join(f'{n_w[c]} x {c}' for c in ctxs)}  calibration "
+              f"{a.calib_tokens} tokens/domain  bits/elem at {c0} tokens  ({time.perf_counter() - t0:.0f} s)")
+    note = None
+    if a.retrieval:
+        n_rec = {c: rows[0].retr[c][1] for c in ctxs}
+        note = (f"retrieval: exact match of the 5-digit value, greedy, <= {RETRIEVAL_NEW_TOKENS} new tokens decoded "
+                f"through each row's cache; prompt = context - {RETRIEVAL_NEW_TOKENS} tokens; records per context "
+                f"{', '.join(f'{c}: {n_rec[c]}' for c in ctxs)} ({len(DEPTHS)} depths {DEPTHS[0]:.2f}-{DEPTHS[-1]:.2f}"
+                f" x {per_cell}, prose and code, seed {a.seed}); 95% Wilson interval; x fp16 = accuracy / fp16-kv's"
+                f" (0 when fp16-kv's is 0)")
+    if a.contexts and len(ctxs) < len(asked):
+        print(f"contexts not run (beyond model context {model_max}): "
+              f"{', '.join(str(c) for c in asked if c > model_max)}")
+    print_tables(rows, ctxs, model_max, header, TAIL_FROM, note)
+    print(result_line(rows, ctxs, model_max))
     return 0
 
 
