@@ -72,12 +72,15 @@ class TwoNodes:
         isolate: None: private namespaces when `unshare_allowed()`; True: require them (RuntimeError if not
             allowed); False: share the host's (node B with MOERAY_SHM=0).
         shm_mb: size of each private /dev/shm tmpfs (MiB); it holds the node's Ray object store too.
+        token: the cluster's auth token (default: RAY_AUTH_TOKEN if set, else a new random one). Ray reads
+            RAY_AUTH_MODE / RAY_AUTH_TOKEN when it is imported, so an in-process driver sets both before
+            importing ray and passes nothing here.
     Raises:
         RuntimeError: a node did not come up within `timeout_s` (the message has the tail of its log).
     """
 
     def __init__(self, cpus_a: int = 2, cpus_b: int = 2, isolate: bool | None = None, shm_mb: int = 512,
-                 timeout_s: float = 90.0):
+                 timeout_s: float = 90.0, token: str | None = None):
         allowed = unshare_allowed()
         if isolate and not allowed:
             raise RuntimeError("unshare --uts --mount is not allowed here (needs root or user namespaces)")
@@ -86,7 +89,7 @@ class TwoNodes:
         self.address = f"{HEAD_IP}:{free_port(HEAD_IP)}"
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env = {**base, "PYTHONPATH": REPO, "RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token",
-                    "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+                    "RAY_AUTH_TOKEN": token or os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)}
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: dict[str, object] = {}
         try:
