@@ -3,8 +3,9 @@
 Setup as in tests/cluster/test_two_nodes.py (`bench/two_nodes.py`): a head on 127.0.0.11 and a second raylet on
 127.0.0.12, each in its own mount namespace with a private /dev/shm (node B also with its own hostname) where
 `unshare` is allowed, else node B with MOERAY_SHM=0. This process is the driver. Two 2-rank groups of the same
-model are up at once: "cross" (STRICT_SPREAD: one rank per node, gloo over TCP between them) and "one node"
-(STRICT_PACK: both ranks on one node, gloo + the same-node shared-memory transport). Rounds alternate which group
+model are up at once: "cross" (STRICT_SPREAD: one rank per node, gloo over TCP between them), "one node"
+(STRICT_PACK: both ranks on one node, gloo + the same-node shared-memory transport) and "one node, gloo" (the same
+with `transport="torch"`: gloo for every collective, what the node boundary forces). Rounds rotate which group
 goes first; in each round each group runs
   - batch 1: one greedy request of `--tokens` forced tokens; TPOT = (t_last - t_first) / (n - 1);
   - batch 8: 8 concurrent greedy requests of `--tokens`; TPOT = the median over the 8 of the same.
@@ -15,8 +16,8 @@ step agreement) and how many collectives a step makes.
     python bench/multinode.py            # 5 rounds, 128 tokens
     python bench/multinode.py --quick    # 3 rounds, 64 tokens
 
-Last line: RESULT cross_node_ratio_b1=<x> cross_node_ratio_b8=<x> tokens_equal=<0|1>
-(targets: <= 2.0 at batch 1, <= 1.5 at batch 8).
+Last line: RESULT cross_node_ratio_b1=<x> cross_node_ratio_b8=<x> tokens_equal=<0|1> cross_vs_gloo_b1=<x>
+cross_vs_gloo_b8=<x> (cross / "one node"; targets: <= 2.0 at batch 1, <= 1.5 at batch 8; cross / "one node, gloo").
 """
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ PROMPTS = ["ROMEO. But soft, what light through yonder window breaks?", "def par
            "The history of the river and the town", "Once upon a time, in a land far away,",
            "import numpy as np\n", "JULIET. O Romeo, Romeo! wherefore art thou Romeo?",
            "The weather today is", "class Node:\n    def __init__(self"]
-GROUPS = (("cross", "STRICT_SPREAD"), ("one node", "STRICT_PACK"))
+# (name, placement strategy, ClusterConfig.transport); "one node, gloo" separates what the node boundary costs from
+# what the shared-memory transport (one node only) saves
+GROUPS = (("cross", "STRICT_SPREAD", "auto"), ("one node", "STRICT_PACK", "auto"),
+          ("one node, gloo", "STRICT_PACK", "torch"))
 
 
 def tpot_ms(out) -> float:
@@ -79,19 +83,19 @@ def main() -> None:
     try:
         ray.init(address=nodes.address, log_to_driver=False, logging_level="ERROR")
         wait_alive(2)
-        for name, strategy in GROUPS:
-            llms[name] = LLM(model=args.model, ranks=2, placement_strategy=strategy, num_threads_per_rank=1,
-                             max_num_seqs=16, kv_cache_bytes=32 << 20)
+        for name, strategy, transport in GROUPS:
+            llms[name] = LLM(model=args.model, ranks=2, placement_strategy=strategy, transport=transport,
+                             num_threads_per_rank=1, max_num_seqs=16, kv_cache_bytes=32 << 20)
         where = {name: sorted(ray.get([r.node_ip.remote() for r in llm.cluster.ranks])) for name, llm in llms.items()}
         transport = {name: "/".join(sorted({i["transport"] for i in llm.cluster.info})) for name, llm in llms.items()}
         for llm in llms.values():
             run_batch(llm, PROMPTS[:1], 8)  # warm-up
-        tp: dict = {(g, b): [] for g, _ in GROUPS for b in (1, 8)}
+        tp: dict = {(g[0], b): [] for g in GROUPS for b in (1, 8)}
         equal, counters = True, {}
         for rnd in range(rounds):
-            order = GROUPS if rnd % 2 == 0 else GROUPS[::-1]
+            order = GROUPS[rnd % len(GROUPS):] + GROUPS[:rnd % len(GROUPS)]
             toks: dict = {}
-            for name, _ in order:
+            for name, _, _ in order:
                 llm = llms[name]
                 before = step_counters(llm)
                 t, toks[(name, 1)] = run_batch(llm, PROMPTS[:1], n)
@@ -99,8 +103,8 @@ def main() -> None:
                 counters.setdefault(name, []).append((before, step_counters(llm)))
                 t, toks[(name, 8)] = run_batch(llm, PROMPTS[:8], n)
                 tp[(name, 8)].append(t)
-            equal &= all(toks[("cross", b)] == toks[("one node", b)] for b in (1, 8))
-            print(f"round {rnd}: " + "  ".join(f"{g} b{b} {tp[(g, b)][-1]:.2f} ms" for g, _ in GROUPS for b in (1, 8)),
+            equal &= all(toks[(g[0], b)] == toks[("one node", b)] for g in GROUPS for b in (1, 8))
+            print(f"round {rnd}: " + "  ".join(f"{g[0]} b{b} {tp[(g[0], b)][-1]:.2f} ms" for g in GROUPS for b in (1, 8)),
                   flush=True)
     finally:
         for llm in llms.values():
@@ -111,23 +115,26 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in tp.items()}
     ratio = {b: med[("cross", b)] / med[("one node", b)] for b in (1, 8)}
+    ratio_gloo = {b: med[("cross", b)] / med[("one node, gloo", b)] for b in (1, 8)}
     print(f"\nmodel: {args.model}; {n} forced tokens per request, {rounds} interleaved rounds; node namespaces: "
           f"{'private (unshare)' if nodes.isolated else 'shared, node B MOERAY_SHM=0'}")
     print("| group | ranks on | transport | TPOT b1 (ms) | TPOT b8 (ms) |")
     print("|---|---|---|---|---|")
-    for g, strategy in GROUPS:
+    for g, strategy, _ in GROUPS:
         print(f"| {g} ({strategy}) | {', '.join(where[g])} | {transport[g]} | {med[(g, 1)]:.2f} | {med[(g, 8)]:.2f} |")
     print(f"| ratio cross / one node | | | {ratio[1]:.2f} | {ratio[8]:.2f} |")
+    print(f"| ratio cross / one node, gloo | | | {ratio_gloo[1]:.2f} | {ratio_gloo[8]:.2f} |")
     print("\nbatch-1 decode step (ms per step, rank counters summed over the b1 runs)")
     print("| group | rank | steps | all-to-all | step agreement | forward minus all-to-all |")
     print("|---|---|---|---|---|---|")
-    for g, _ in GROUPS:
+    for g, _, _ in GROUPS:
         for r in range(2):
             steps = sum(a[r]["steps"] - b[r]["steps"] for b, a in counters[g])
             d = {k: sum(a[r][k] - b[r][k] for b, a in counters[g]) * 1000 / max(1, steps)
                  for k in ("comm_s", "sync_s", "forward_s")}
             print(f"| {g} | {r} | {steps} | {d['comm_s']:.2f} | {d['sync_s']:.2f} | {d['forward_s'] - d['comm_s']:.2f} |")
-    print(f"RESULT cross_node_ratio_b1={ratio[1]:.3f} cross_node_ratio_b8={ratio[8]:.3f} tokens_equal={int(equal)}")
+    print(f"RESULT cross_node_ratio_b1={ratio[1]:.3f} cross_node_ratio_b8={ratio[8]:.3f} tokens_equal={int(equal)} "
+          f"cross_vs_gloo_b1={ratio_gloo[1]:.3f} cross_vs_gloo_b8={ratio_gloo[8]:.3f}")
 
 
 if __name__ == "__main__":

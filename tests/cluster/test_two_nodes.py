@@ -106,7 +106,6 @@ def drive(model: str) -> None:
 
 def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     model = tiny_model_dir("qwen2_moe")
-    t0 = time.monotonic()
     nodes = TwoNodes(cpus_a=2, cpus_b=2)
     try:
         r = subprocess.run([sys.executable, "-c", f"from tests.cluster.test_two_nodes import drive; drive({model!r})"],
@@ -134,4 +133,3 @@ def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     assert rep["victim"] is not None and rep["recoveries"] == 1, rep
     assert rep["tokens_after"] == ref  # the rebuilt group serves the same tokens
     assert left == {"a": [], "b": []}  # no segment left in either node's /dev/shm
-    assert time.monotonic() - t0 < 150
