@@ -1,8 +1,9 @@
 """Two Ray nodes (issue 19): a head on 127.0.0.11 and a second raylet on 127.0.0.12 (`bench/two_nodes.py`), node B
 under `unshare --uts --mount` with its own hostname and /dev/shm where that is allowed, else sharing the host's
 with the shared-memory transport turned off on node B (`MOERAY_SHM=0`). With SPREAD, the two ranks land on
-different nodes, talk gloo across the boundary, give the tokens of the 1-rank run, leave no shared-memory
-segment in either /dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again.
+different nodes, talk TCP across the boundary (gloo, and the step's small collectives over the ranks' own
+sockets: `actors.rank.tcp_collective`), give the tokens of the 1-rank run, leave no shared-memory segment in either
+/dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again.
 
 The cluster is this test's own (own temp dirs, ports, token), not the suite's shared Ray; the driver runs in a
 subprocess (`drive`), since this process may already be attached to the shared instance. Nothing here skips:
@@ -122,7 +123,8 @@ def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     for phase in ("before", "after"):
         ranks = rep[phase]
         assert sorted(r["ip"] for r in ranks) == [HEAD_IP, NODE_B_IP], (phase, ranks)  # SPREAD: one rank per node
-        assert [r["transport"] for r in ranks] == ["gloo", "gloo"], (phase, ranks)  # not shared memory across nodes
+        # never shared memory across nodes: the step's small collectives over TCP, the rest over gloo
+        assert [r["transport"] for r in ranks] == ["tcp+gloo", "tcp+gloo"], (phase, ranks)
         assert all(r["segments"] == [] for r in ranks), (phase, ranks)
         if isolated:  # node B is its own UTS namespace: the ranks see different hostnames
             assert {r["hostname"] for r in ranks if r["ip"] == NODE_B_IP} == {NODE_B_HOSTNAME}, ranks
