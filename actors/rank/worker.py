@@ -94,11 +94,12 @@ class RankWorker(LockstepLoop):
         master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 uses its own; ValueError
         if it has none). transport: "auto" also opens the shared-memory
         all-to-all (`actors.rank.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
-        the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
+        the backend is gloo and every rank is on this node, else the same calls over TCP between the ranks
+        (`actors.rank.tcp_collective`); "torch": torch.distributed for every collective.
         gloo's device is built for this node's Ray IP (GLOO_SOCKET_IFNAME set to the interface holding it, unless
         the user set it; `actors.rank.netif`), not for the hostname: a hostname resolving to 127.0.1.1 (Debian's
         default) gave a device that ranks on other nodes cannot reach, and the group never formed.
-        Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
+        Returns {rank, pid, kv_blocks, cpu_kernels, transport ("shm+gloo", "tcp+gloo", "gloo", "nccl", "none")}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
