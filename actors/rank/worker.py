@@ -26,6 +26,7 @@ from actors.rank.netif import select_gloo_interface
 from actors.rank.output_channel import ABORT, REQUEST, OutputChannel
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
+from actors.rank.tcp_collective import TcpAllToAll
 from kernels import tuning
 from kernels.cpu import cpu_kernels_available
 
@@ -54,7 +55,8 @@ class RankWorker(LockstepLoop):
         self._thread: threading.Thread | None = None
         self.group = None
         self._store = None  # rank 0: the rendezvous TCPStore server (open_rendezvous)
-        self.shm: ShmAllToAll | None = None  # same-node transport of the step's small all-to-alls (setup)
+        # transport of the step's small all-to-alls (setup): shared memory on one node, else TCP; None: gloo/NCCL
+        self.shm: ShmAllToAll | TcpAllToAll | None = None
         # placement epochs: prepared (weights read), committed (ready to apply), applied (in use)
         self._prepared: dict[int, tuple[ExpertPlacement, dict]] = {}
         self._commit_epoch = 0
@@ -92,11 +94,12 @@ class RankWorker(LockstepLoop):
         master_addr, master_port: the store opened by rank 0's `open_rendezvous` (rank 0 uses its own; ValueError
         if it has none). transport: "auto" also opens the shared-memory
         all-to-all (`actors.rank.shm_collective`) for the step agreement and the fixed-capacity decode dispatch when
-        the backend is gloo and every rank is on this node; "torch": torch.distributed for every collective.
+        the backend is gloo and every rank is on this node, else the same calls over TCP between the ranks
+        (`actors.rank.tcp_collective`); "torch": torch.distributed for every collective.
         gloo's device is built for this node's Ray IP (GLOO_SOCKET_IFNAME set to the interface holding it, unless
         the user set it; `actors.rank.netif`), not for the hostname: a hostname resolving to 127.0.1.1 (Debian's
         default) gave a device that ranks on other nodes cannot reach, and the group never formed.
-        Returns {rank, pid, kv_blocks, cpu_kernels, transport}."""
+        Returns {rank, pid, kv_blocks, cpu_kernels, transport ("shm+gloo", "tcp+gloo", "gloo", "nccl", "none")}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
@@ -115,13 +118,16 @@ class RankWorker(LockstepLoop):
                 hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
                 slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
                 self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
+                if self.shm is None:  # not one node (or shared memory refused): the same calls over TCP
+                    self.shm = TcpAllToAll.setup(store, self.rank, self.world_size, self.node_ip(), timeout_s)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
         self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
         self._thread.start()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
                 # None on GPU ranks (the kernels are the CPU path only)
                 "cpu_kernels": cpu_kernels_available() if self.engine.device.type == "cpu" else None,
-                "transport": "shm+" + backend if self.shm is not None else (backend if self.world_size > 1 else "none")}
+                "transport": (("tcp+" if isinstance(self.shm, TcpAllToAll) else "shm+") + backend if self.shm is not None
+                              else backend if self.world_size > 1 else "none")}
 
     # ------------------------------------------------------------------ router calls
     def _bump(self, seq: int) -> None:

@@ -1,0 +1,137 @@
+"""Two Ray nodes (issue 19): a head on 127.0.0.11 and a second raylet on 127.0.0.12 (`bench/two_nodes.py`), node B
+under `unshare --uts --mount` with its own hostname and /dev/shm where that is allowed, else sharing the host's
+with the shared-memory transport turned off on node B (`MOERAY_SHM=0`). With SPREAD, the two ranks land on
+different nodes, talk TCP across the boundary (gloo, and the step's small collectives over the ranks' own
+sockets: `actors.rank.tcp_collective`), give the tokens of the 1-rank run, leave no shared-memory segment in either
+/dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again.
+
+The cluster is this test's own (own temp dirs, ports, token), not the suite's shared Ray; the driver runs in a
+subprocess (`drive`), since this process may already be attached to the shared instance. Nothing here skips:
+a missing prerequisite (no `ray`, no free address) fails the test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bench.two_nodes import HEAD_IP, NODE_B_HOSTNAME, NODE_B_IP, TwoNodes, wait_alive
+
+pytestmark = pytest.mark.ray
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = [[11, 42, 7, 99, 3], [5, 17, 250, 8, 61, 2, 33]]
+N_TOKENS = 8
+
+
+def _reference(model: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens of the world_size == 1 engine, in this process (no Ray)."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
+    from actors.engine.messages import GenerateRequest
+    from actors.engine.sampling import SamplingParams
+    from actors.model.config import ModelConfig
+    from actors.moe.placement import ExpertPlacement
+
+    mc = ModelConfig.from_pretrained(model)
+    eng = RankEngine(EngineConfig(model=model, max_model_len=128, kv_cache_bytes=4 << 20),
+                     ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True).to_dict()
+    for i, p in enumerate(prompts):
+        eng.add_request(GenerateRequest(request_id=str(i), prompt_ids=p, params=params))
+    toks: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while eng.has_work:
+        for o in eng.step():
+            toks[o.request_id].extend(o.token_ids)
+    return [toks[str(i)] for i in range(len(prompts))]
+
+
+def drive(model: str) -> None:
+    """The driver (subprocess, RAY_ADDRESS = the two-node cluster): prints `REPORT <json>` with, before and
+    after the kill of node B's rank: each rank's node IP, hostname, transport and the moeray segments in the
+    /dev/shm it sees; the tokens; the 1-rank reference tokens."""
+    import platform
+
+    import ray
+
+    from actors.engine.sampling import SamplingParams
+    from moeray.api import LLM
+    from router_service.errors import EngineError
+
+    def seen_by_ranks(llm) -> list[dict]:
+        def look(self):  # runs inside the rank actor
+            names = [n for n in os.listdir("/dev/shm") if n.startswith("moeray_")]
+            return {"hostname": platform.node(), "segments": names}
+
+        ranks = llm.cluster.ranks
+        ips = ray.get([r.node_ip.remote() for r in ranks], timeout=60)
+        looks = ray.get([r.__ray_call__.remote(look) for r in ranks], timeout=60)
+        return [{"ip": ip, "transport": info["transport"], **lk} for ip, info, lk in zip(ips, llm.cluster.info, looks)]
+
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    report = {"reference": _reference(model, PROMPTS, N_TOKENS)}
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    wait_alive(2)
+    llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=128, kv_cache_bytes=4 << 20,
+              max_num_seqs=8)
+    try:
+        report["before"] = seen_by_ranks(llm)
+        report["tokens"] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        victim = next((i for i, r in enumerate(report["before"]) if r["ip"] == NODE_B_IP), None)
+        report["victim"] = victim
+        if victim is not None:
+            ray.kill(llm.cluster.ranks[victim], no_restart=True)
+            t0 = time.monotonic()
+            while True:  # until a request is served again (the router rebuilds the group)
+                try:
+                    outs = llm.generate(PROMPTS, params)
+                    if all(o.finish_reason == "length" for o in outs):
+                        break
+                except EngineError:
+                    pass
+                if time.monotonic() - t0 > 60:
+                    raise AssertionError(f"not serving within 60 s of the kill: {llm.router.health()}")
+                time.sleep(0.2)
+            report["serving_again_s"] = time.monotonic() - t0
+            report["tokens_after"] = [o.token_ids for o in outs]
+            report["recoveries"] = len(llm.router.recoveries)
+            report["after"] = seen_by_ranks(llm)
+    finally:
+        llm.shutdown()
+    print("REPORT " + json.dumps(report), flush=True)
+
+
+def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
+    model = tiny_model_dir("qwen2_moe")
+    nodes = TwoNodes(cpus_a=2, cpus_b=2)
+    try:
+        r = subprocess.run([sys.executable, "-c", f"from tests.cluster.test_two_nodes import drive; drive({model!r})"],
+                           env=nodes.env, cwd=REPO, capture_output=True, text=True, timeout=150)
+        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")]
+        assert r.returncode == 0 and lines, f"driver exited {r.returncode}: {r.stderr[-4000:]}"
+        rep = json.loads(lines[-1][len("REPORT "):])
+        left = {node: nodes.segments(node) for node in ("a", "b")}
+        isolated = nodes.isolated
+    finally:
+        nodes.stop()
+    # on this machine (root) the namespaces must be there: the fallback is for machines that refuse unshare
+    assert isolated or os.geteuid() != 0, "unshare refused although running as root"
+    for phase in ("before", "after"):
+        ranks = rep[phase]
+        assert sorted(r["ip"] for r in ranks) == [HEAD_IP, NODE_B_IP], (phase, ranks)  # SPREAD: one rank per node
+        # never shared memory across nodes: the step's small collectives over TCP, the rest over gloo
+        assert [r["transport"] for r in ranks] == ["tcp+gloo", "tcp+gloo"], (phase, ranks)
+        assert all(r["segments"] == [] for r in ranks), (phase, ranks)
+        if isolated:  # node B is its own UTS namespace: the ranks see different hostnames
+            assert {r["hostname"] for r in ranks if r["ip"] == NODE_B_IP} == {NODE_B_HOSTNAME}, ranks
+            assert NODE_B_HOSTNAME not in {r["hostname"] for r in ranks if r["ip"] == HEAD_IP}, ranks
+    ref = rep["reference"]
+    assert all(len(t) == N_TOKENS for t in ref), ref
+    assert rep["tokens"] == ref  # 2 ranks on two nodes == 1 rank
+    assert rep["victim"] is not None and rep["recoveries"] == 1, rep
+    assert rep["tokens_after"] == ref  # the rebuilt group serves the same tokens
+    assert left == {"a": [], "b": []}  # no segment left in either node's /dev/shm
