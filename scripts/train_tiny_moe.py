@@ -182,15 +182,49 @@ def prepare(work, init: str | None = None):
     return data
 
 
-def batches(data, micro_bs, gen):
-    """Yield [micro_bs, CTX+1] windows, half prose half code, uniformly random offsets."""
+def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0):
+    """Yield micro-batches of windows, prose and code alternating row by row (and, with one row per
+    micro-batch, micro-batch by micro-batch), uniformly random offsets: [micro_bs, ctx + 1] int64.
+
+    short_ctx > 0: every other micro-batch is [micro_bs * ctx // short_ctx, short_ctx + 1] instead, the same
+    tokens in shorter windows (a long-context stage keeps training the short context it started from).
+    retrieval_frac > 0: that share of the windows (long and short) get retrieval records planted
+    (`retrieval_records.plant_training_records`, needs `tok`), drawn from `gen`.
+    """
+    from retrieval_records import plant_training_records
+
+    n = 0
     while True:
+        short = short_ctx > 0 and n % 2 == 1
+        L, rows_n = (short_ctx, micro_bs * ctx // short_ctx) if short else (ctx, micro_bs)
         rows = []
-        for i in range(micro_bs):
-            stream = data["prose" if i % 2 == 0 else "code"]
-            off = int(torch.randint(0, len(stream) - CTX - 1, (1,), generator=gen))
-            rows.append(stream[off: off + CTX + 1].long())
+        for i in range(rows_n):
+            stream = data["prose" if (i + n * rows_n) % 2 == 0 else "code"]
+            off = int(torch.randint(0, len(stream) - L - 1, (1,), generator=gen))
+            row = stream[off: off + L + 1].long()
+            if retrieval_frac > 0 and float(torch.rand((), generator=gen)) < retrieval_frac:
+                rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                n_facts = max(1, min(6, L // 340))  # 3 in a 1k window, 6 in a 4k one
+                row = torch.tensor(plant_training_records(tok, row.tolist(), rng, n_facts=n_facts))
+            rows.append(row)
+        n += 1
         yield torch.stack(rows)
+
+
+def retrieval_probe(model, tok, text: str, contexts, per_cell: int = 2) -> dict:
+    """Greedy exact-match retrieval accuracy of `model` per context on records from held-out `text`
+    (depths 0.1 / 0.5 / 0.9): a progress probe printed during training, not the benchmark."""
+    from retrieval_records import build_eval_records, is_correct
+
+    was = model.training
+    model.eval()
+    acc = {}
+    with torch.no_grad():
+        for r in build_eval_records(tok, text, contexts, [0.1, 0.5, 0.9], per_cell, seed=99):
+            out = model.generate(torch.tensor([r.prompt_ids]), max_new_tokens=4, do_sample=False)
+            acc.setdefault(r.context, []).append(is_correct(tok.decode(out[0, len(r.prompt_ids):].tolist()), r.answer))
+    model.train(was)
+    return {c: round(sum(v) / len(v), 3) for c, v in acc.items()}
 
 
 def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,6 +310,15 @@ def main():
     ap.add_argument("--sticky-frac", type=float, default=0.0,
                     help="share of micro-batches routed with the serving `sticky` policy (0 = none)")
     ap.add_argument("--sticky-margin", type=float, default=0.15, help="the `sticky` margin used in training")
+    ap.add_argument("--ctx", type=int, default=CTX, help="training window (tokens); the exported context")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="RoPE base for this stage (default: the init checkpoint's, else 10000); a longer --ctx "
+                         "with a larger base is adjusted base frequency (ABF, arXiv 2309.16039)")
+    ap.add_argument("--short-ctx", type=int, default=0,
+                    help="every other micro-batch in windows of this many tokens (0: all --ctx)")
+    ap.add_argument("--retrieval-frac", type=float, default=0.0,
+                    help="share of the --ctx windows with retrieval records planted (scripts/retrieval_records.py)")
+    ap.add_argument("--probe-every", type=int, default=0, help="print a retrieval probe every N steps (0: never)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.work_dir, exist_ok=True)
@@ -285,11 +328,21 @@ def main():
     from transformers import Qwen2MoeForCausalLM
 
     if args.init:
-        model = Qwen2MoeForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(args.init)
+        cfg.max_position_embeddings = max(args.ctx, cfg.max_position_embeddings)
+        if args.rope_theta:
+            cfg.rope_parameters = {**(cfg.rope_parameters or {}), "rope_type": "default", "rope_theta": args.rope_theta}
+        model = Qwen2MoeForCausalLM.from_pretrained(args.init, config=cfg, dtype=torch.float32)
         model.config.output_router_logits = True
     else:
-        model = Qwen2MoeForCausalLM(model_config())
-    tokens_per_step = args.micro_bs * args.accum * CTX
+        cfg = model_config()
+        cfg.max_position_embeddings = args.ctx
+        if args.rope_theta:
+            cfg.rope_parameters = {"rope_type": "default", "rope_theta": args.rope_theta}
+        model = Qwen2MoeForCausalLM(cfg)
+    tokens_per_step = args.micro_bs * args.accum * args.ctx
     total_steps = int(math.ceil(args.tokens / tokens_per_step))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, total_steps // 50)
@@ -322,7 +375,10 @@ def main():
                     "init_summary": init_summary}, tmp)
         os.replace(tmp, ck)
 
-    it = batches(data, args.micro_bs, gen)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(args.work_dir, "tokenizer.json"))
+    it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac)
     sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
     micro = step * args.accum
     model.train()
@@ -359,6 +415,12 @@ def main():
             extra = f"seq-balance {bsum:.4f} smooth {ssum:.4f} " if args.seq_balance_coef or args.smooth_coef else ""
             print(f"step {step}/{total_steps} loss {lsum:.4f} aux {asum:.4f} {extra}lr {sched.get_last_lr()[0]:.2e} "
                   f"{tps:.0f} tok/s eta {eta:.1f} min", flush=True)
+        if args.probe_every and (step % args.probe_every == 0 or step == total_steps):
+            if sticky is not None:
+                sticky.shape = None  # the probe's generate() runs the model's own routing on its own shapes
+            ctxs = sorted({min(1024, args.ctx), args.ctx})
+            print(f"step {step} retrieval probe {retrieval_probe(model, tok, data['heldout']['prose'], ctxs)}",
+                  flush=True)
         if time.time() - last_ck > args.ckpt_minutes * 60 or step == total_steps:
             save(); last_ck = time.time()
     print("training done", flush=True)
@@ -386,13 +448,13 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
     model.config.output_router_logits = False
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     shutil.copy(os.path.join(args.work_dir, "tokenizer.json"), os.path.join(out, "tokenizer.json"))
-    json.dump({"model_max_length": CTX, "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
+    json.dump({"model_max_length": args.ctx, "eos_token": EOS, "bos_token": EOS, "pad_token": EOS,
                "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False},
               open(os.path.join(out, "tokenizer_config.json"), "w"), indent=2)
     os.makedirs(os.path.join(out, "heldout"), exist_ok=True)
     for d, text in data["heldout"].items():
         open(os.path.join(out, "heldout", f"{d}.txt"), "w").write(text)
-    summary = {"seed": SEED, "steps": step, "tokens": step * tokens_per_step, "context": CTX,
+    summary = {"seed": SEED, "steps": step, "tokens": step * tokens_per_step, "context": args.ctx,
                "final_loss": sum(e[1] for e in log[-20:]) / max(1, len(log[-20:])),
                "heldout_prose": HELDOUT_PROSE, "heldout_code_packages": HELDOUT_CODE,
                "train_tokens_available": {d: len(data[d]) for d in ("prose", "code")}}
@@ -400,7 +462,9 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
         base, stages = stage_chain(init_summary or {})
         this = {k: summary[k] for k in ("steps", "tokens", "final_loss")}
         this.update(lr=args.lr, seq_balance_coef=args.seq_balance_coef, smooth_coef=args.smooth_coef,
-                    sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin)
+                    sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin, context=args.ctx,
+                    rope_theta=model.config.rope_parameters["rope_theta"], short_ctx=args.short_ctx,
+                    retrieval_frac=args.retrieval_frac)
         summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)
