@@ -100,7 +100,6 @@ class Router:
         written, not a Ray call); then a front door may call it on its event loop for a small request."""
         return self._channels is not None and self._channels.connected
 
-    # ------------------------------------------------------------------ validation
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the context window (`PromptAdmission.validate`)."""
         return self.admission.validate(prompt, params)
@@ -109,7 +108,6 @@ class Router:
         """Token ids of `text`, refused untokenized when too long (`PromptAdmission.encode`)."""
         return self.admission.encode(text, field)
 
-    # ------------------------------------------------------------------ requests
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                wake: bool = True) -> RequestStream:
         """Hand the request to the least loaded rank. wake=False: wake no rank for it (`generate` wakes once)."""
@@ -144,8 +142,7 @@ class Router:
         with self._lock:
             stream.admitted = True
             pending = stream.abort_pending
-            # drawn only now that the rank holds the request: a rank that has seen this seq also sees the request
-            # (a seq drawn before could reach the ranks, via another request's wake, ahead of the request itself)
+            # drawn only now that the rank holds the request (an earlier seq could reach the ranks ahead of it)
             seq = None if sent or not wake else next(self._seq)
         if seq is not None:
             self._wake_others(None, seq)
@@ -281,7 +278,6 @@ class Router:
             self._abort_on_rank(st.rank, st.request_id, seq)
         return self._fail_rank(None, "the server is shutting down; retry the request")
 
-    # ------------------------------------------------------------------ lookups (front doors, metrics)
     def get_stream(self, request_id: str) -> RequestStream | None:
         """The in-flight request `request_id`, or None if unknown or finished."""
         with self._lock:
@@ -312,8 +308,7 @@ class Router:
         return {"ok": ok, "status": "ok" if ok else "unhealthy", "ranks": ranks, "recoveries": len(self.recoveries)}
 
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
-        """Submit all prompts, then wake the ranks once (on an idle cluster all start in the same step), wait for
-        all; a bad prompt yields an `error` output, the rest go on."""
+        """Submit all, wake the ranks once (idle: all start in one step), wait; a bad prompt: an `error` output."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         streams: list[RequestStream | RequestOutput] = []
         for p, sp in zip(prompts, plist):
