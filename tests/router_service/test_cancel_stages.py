@@ -411,12 +411,12 @@ def test_router_cancel_while_the_rank_is_taking_the_request(llm, monkeypatch, pa
             calls.append(1)
             router.abort(rid)
 
-    def post_with_cancel(owner, kind, payload):
+    def post_with_cancel(owner, kind, payload, wake=True):
         if kind == REQUEST:
             cancel_once()
             if path == "actor":
                 return False
-        return real_post(owner, kind, payload)
+        return real_post(owner, kind, payload, wake=wake)
 
     def get_with_cancel(ref, *a, **kw):
         # pollers call ray.get too: any call in the window will do
