@@ -25,7 +25,8 @@ class FakeStream:
 
     def __init__(self, rid: str, release: threading.Event):
         self.request_id, self.release = rid, release
-        self.out = SimpleNamespace(prompt_tokens=2)
+        self.out = SimpleNamespace(prompt_tokens=2, prompt="hi")
+        self.done = threading.Event()
         self.q: queue.Queue = queue.Queue()
         self.q.put(TokenOutput(request_id=rid, token_ids=[7], text="a"))
 
@@ -36,6 +37,21 @@ class FakeStream:
             if self.release.wait(timeout):
                 return TokenOutput(request_id=self.request_id, token_ids=[8], text="b", finish_reason="length")
             raise
+
+    def attach_queue(self, q: queue.Queue, key) -> None:
+        """`RequestStream.attach_queue`: outputs go to `q` as (key, output), here from a pump thread."""
+        def pump():
+            while True:
+                try:
+                    out = self.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                q.put((key, out))
+                if out.finish_reason:
+                    self.done.set()
+                    return
+
+        threading.Thread(target=pump, daemon=True).start()
 
 
 class FakeRouter:
