@@ -280,7 +280,7 @@ def test_request_counters_by_front_door(client, router):
             out = list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3, 4]),
                                                         sampling=pb.SamplingParams(max_tokens=3)), metadata=key))
             assert out[-1].usage.completion_tokens == 3
-            for req, md, code in ((pb.GenerateRequest(text="hi", model="x"), key, grpc.StatusCode.INVALID_ARGUMENT),
+            for req, md, code in ((pb.GenerateRequest(text="hi", model="x"), key, grpc.StatusCode.NOT_FOUND),
                                   (pb.GenerateRequest(text="hi"), (), grpc.StatusCode.UNAUTHENTICATED)):
                 with pytest.raises(grpc.RpcError) as ei:
                     list(stub.Generate(req, metadata=md))
@@ -300,7 +300,7 @@ def test_request_counters_by_front_door(client, router):
     assert v("moeray_prompt_tokens_total", frontend="http") == 4
     assert v("moeray_generated_tokens_total", frontend="http") == 4
     assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="OK") == 1
-    assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="INVALID_ARGUMENT") == 1
+    assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="NOT_FOUND") == 1
     assert v("moeray_requests_total", frontend="grpc", endpoint="Generate", code="UNAUTHENTICATED") == 1
     assert v("moeray_rejections_total", frontend="grpc", reason="model_not_found") == 1
     assert v("moeray_rejections_total", frontend="grpc", reason="unauthorized") == 1
