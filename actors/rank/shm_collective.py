@@ -129,6 +129,16 @@ def _unlink(name: str, tracked: bool) -> None:
             pass
 
 
+
+def check_all_to_all(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
+    """The argument rule of this module's and `tcp_collective`'s `all_to_all_single`: equal contiguous CPU
+    tensors of one dtype, dim 0 divisible by `world`. Raises ValueError naming both tensors otherwise."""
+    if inp.shape != out.shape or inp.dtype != out.dtype or inp.shape[0] % world or not (
+            inp.is_contiguous() and out.is_contiguous()) or inp.device.type != "cpu" or out.device.type != "cpu":
+        raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype} {inp.device}, out "
+                         f"{tuple(out.shape)} {out.dtype} {out.device}: need equal contiguous shapes on CPU, "
+                         f"dim 0 divisible by {world}")
+
 class ShmAllToAll:
     """`all_to_all_single` with equal splits over a shared-memory segment, for W ranks on one node.
 
@@ -254,11 +264,7 @@ class ShmAllToAll:
             ValueError: bad shapes. RuntimeError: a peer timed out or exited.
         """
         W = self.world
-        if inp.shape != out.shape or inp.dtype != out.dtype or inp.shape[0] % W or not (
-                inp.is_contiguous() and out.is_contiguous()) or inp.device.type != "cpu" or out.device.type != "cpu":
-            raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype} {inp.device}, out "
-                             f"{tuple(out.shape)} {out.dtype} {out.device}: need equal contiguous shapes on CPU, "
-                             f"dim 0 divisible by {W}")
+        check_all_to_all(out, inp, W)
         nb = inp.nbytes // W
         if not self.fits(nb):
             raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds slot_bytes={self.slot_bytes}")

@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from actors.rank.shm_collective import check_all_to_all
+
 log = logging.getLogger("moeray.rank")
 
 MAX_BYTES = 64 << 10  # per peer per call: larger messages take torch.distributed (and never block a send)
@@ -124,11 +126,7 @@ class TcpAllToAll:
             ValueError: bad shapes. RuntimeError: a peer closed its connection or timed out.
         """
         W, r = self.world, self.rank
-        if inp.shape != out.shape or inp.dtype != out.dtype or inp.shape[0] % W or not (
-                inp.is_contiguous() and out.is_contiguous()) or inp.device.type != "cpu" or out.device.type != "cpu":
-            raise ValueError(f"all_to_all_single: inp {tuple(inp.shape)} {inp.dtype} {inp.device}, out "
-                             f"{tuple(out.shape)} {out.dtype} {out.device}: need equal contiguous shapes on CPU, "
-                             f"dim 0 divisible by {W}")
+        check_all_to_all(out, inp, W)
         nb = inp.nbytes // W
         if not self.fits(nb):
             raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds max_bytes={self.max_bytes}")
