@@ -119,27 +119,36 @@ def build_eval_records(tok, text: str, contexts: Sequence[int], depths: Sequence
     return out
 
 
-def plant_training_records(tok, window_ids: Sequence[int], rng: random.Random, n_facts: int = 4) -> list[int]:
+def plant_training_records(tok, window_ids: Sequence[int], rng: random.Random, n_facts: int = 4,
+                           answer_mask: bool = False):
     """A training window of the same length with `n_facts` facts planted at random depths and, at its end,
     a question and answer for each (in random order): `... Answer: The {key} code is {value}.` The model is
     trained on the whole window (next-token loss everywhere), so the answers carry the retrieval signal.
 
-    Raises ValueError if the window is too short for the facts and questions.
+    Returns the window's token ids, or with `answer_mask` (ids, mask): mask[i] is True where ids[i] is a token
+    of an answer's value (what a training loss may weight up). Raises ValueError if the window is too short
+    for the facts and questions.
     """
     facts = _draw(rng, n_facts)
     fact_ids = [_encode(tok, _fact(k, v)) for k, v in facts]
     order = list(range(n_facts))
     rng.shuffle(order)
-    qa = []
+    qa, qa_mask = [], []
     for i in order:
         k, v = facts[i]
-        qa.extend(_encode(tok, _question(k) + f" {v}.\n"))
+        q = _encode(tok, _question(k))
+        a = _encode(tok, _question(k) + f" {v}.\n")
+        qa.extend(a)  # encoded whole (as the eval prompt is followed by the answer); value tokens after the question's
+        qa_mask.extend([False] * len(q) + [True] * (len(a) - len(q)))
     n_fill = len(window_ids) - len(qa) - sum(len(f) for f in fact_ids)
     if n_fill < 16:
         raise ValueError(f"a window of {len(window_ids)} tokens is too short for {n_facts} facts")
     filler = list(window_ids[:n_fill])
     inserts = [(rng.randrange(0, n_fill + 1), ids) for ids in fact_ids]
-    return _plant(filler, inserts) + qa
+    ids = _plant(filler, inserts) + qa
+    if not answer_mask:
+        return ids
+    return ids, [False] * (len(ids) - len(qa)) + qa_mask
 
 
 def is_correct(completion: str, answer: str) -> bool:

@@ -182,9 +182,12 @@ def prepare(work, init: str | None = None):
     return data
 
 
-def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0):
-    """Yield micro-batches of windows, prose and code alternating row by row (and, with one row per
-    micro-batch, micro-batch by micro-batch), uniformly random offsets: [micro_bs, ctx + 1] int64.
+def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0,
+            answer_weight: float = 1.0):
+    """Yield micro-batches (x, w) of windows, prose and code alternating row by row (and, with one row per
+    micro-batch, micro-batch by micro-batch), uniformly random offsets: x [micro_bs, ctx + 1] int64 and w
+    [micro_bs, ctx] float32, the loss weight of each predicted token x[:, 1:] (1, or `answer_weight` for the
+    value tokens of a planted record's answer).
 
     short_ctx > 0: every other micro-batch is [micro_bs * ctx // short_ctx, short_ctx + 1] instead, the same
     tokens in shorter windows (a long-context stage keeps training the short context it started from).
@@ -197,18 +200,22 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
     while True:
         short = short_ctx > 0 and n % 2 == 1
         L, rows_n = (short_ctx, micro_bs * ctx // short_ctx) if short else (ctx, micro_bs)
-        rows = []
+        rows, weights = [], []
         for i in range(rows_n):
             stream = data["prose" if (i + n * rows_n) % 2 == 0 else "code"]
             off = int(torch.randint(0, len(stream) - L - 1, (1,), generator=gen))
             row = stream[off: off + L + 1].long()
+            w = torch.ones(L)
             if retrieval_frac > 0 and float(torch.rand((), generator=gen)) < retrieval_frac:
                 rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 n_facts = max(1, min(6, L // 340))  # 3 in a 1k window, 6 in a 4k one
-                row = torch.tensor(plant_training_records(tok, row.tolist(), rng, n_facts=n_facts))
+                ids, mask = plant_training_records(tok, row.tolist(), rng, n_facts=n_facts, answer_mask=True)
+                row = torch.tensor(ids)
+                w[torch.tensor(mask[1:])] = answer_weight
             rows.append(row)
+            weights.append(w)
         n += 1
-        yield torch.stack(rows)
+        yield torch.stack(rows), torch.stack(weights)
 
 
 def retrieval_probe(model, tok, text: str, contexts, per_cell: int = 2) -> dict:
@@ -318,6 +325,8 @@ def main():
                     help="every other micro-batch in windows of this many tokens (0: all --ctx)")
     ap.add_argument("--retrieval-frac", type=float, default=0.0,
                     help="share of the --ctx windows with retrieval records planted (scripts/retrieval_records.py)")
+    ap.add_argument("--answer-weight", type=float, default=1.0,
+                    help="loss weight of a planted record's answer tokens (1: plain next-token loss)")
     ap.add_argument("--probe-every", type=int, default=0, help="print a retrieval probe every N steps (0: never)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -378,7 +387,7 @@ def main():
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(args.work_dir, "tokenizer.json"))
-    it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac)
+    it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac, args.answer_weight)
     sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
     micro = step * args.accum
     model.train()
@@ -387,13 +396,15 @@ def main():
     while step < total_steps:
         lsum = asum = bsum = ssum = 0.0
         for _ in range(args.accum):
-            x = next(it)
+            x, w = next(it)
             if sticky is not None:  # deterministic spread: micro-batch c is sticky iff floor(c * frac) steps up
                 on = int((micro + 1) * args.sticky_frac) > int(micro * args.sticky_frac)
                 sticky.shape = (x.shape[0], x.shape[1] - 1) if on else None
             micro += 1
             out = model(input_ids=x[:, :-1], output_router_logits=True)
-            lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), x[:, 1:].flatten())
+            ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), x[:, 1:].flatten(),
+                                                   reduction="none")
+            lm = (ce * w.flatten()).sum() / w.sum()  # the plain mean when no answer is weighted up
             loss = lm + model.config.router_aux_loss_coef * out.aux_loss
             if args.seq_balance_coef or args.smooth_coef:
                 bal, smooth = routing_losses(out.router_logits, x.shape[0], x.shape[1] - 1,

@@ -68,3 +68,13 @@ def test_exact_match():
     assert not is_correct(" 123456", "12345") and not is_correct(" 1234", "12345") and not is_correct("x", "12345")
     with pytest.raises(ValueError, match="depth"):
         build_record(None, [], 10, 1.5, random.Random(0))
+
+
+def test_answer_mask_marks_each_answer_value_and_nothing_else(tok, held):
+    ids = tok.encode(held).ids[:1025]
+    out, mask = plant_training_records(tok, ids, random.Random(3), n_facts=3, answer_mask=True)
+    assert out == plant_training_records(tok, ids, random.Random(3), n_facts=3)  # same window either way
+    assert len(mask) == len(out)
+    marked = tok.decode([t for t, m in zip(out, mask) if m])
+    answers = [line.split(" code is ")[1][:5] for line in tok.decode(out).split("\nAnswer: ")[1:]]
+    assert marked.replace(".\n", "").split() == answers  # the values (and their ".\n"), in question order
