@@ -1,5 +1,15 @@
 """Chat templates: a checkpoint's Jinja `chat_template` (or a plain default) rendered in a sandbox, shared by
-`/v1/chat/completions` and `LLM.chat`."""
+`/v1/chat/completions` and `LLM.chat`.
+
+Tools reach the template as transformers' `apply_chat_template(tools=...)` passes them: `tools`, a list of
+OpenAI tool definitions (`{"type": "function", "function": {"name", "description", "parameters"}}`), or None;
+`tojson` is transformers' (no HTML escaping; `indent`, `separators`, `sort_keys`, `ensure_ascii`). The default
+template renders them first, as a system block, one line per function:
+
+    System: Tools:
+    - get_weather: forecast; parameters: {"type": "object", "properties": {...}}
+    - ping; no parameters
+"""
 from __future__ import annotations
 
 import json
@@ -8,9 +18,18 @@ import os
 from router_service.errors import InvalidRequestError
 
 DEFAULT_CHAT_TEMPLATE = (
+    "{% if tools %}System: Tools:\n{% for t in tools %}{% set f = t.function %}- {{ f.name }}"
+    "{{ ': ' ~ f.description if f.description else '' }}"
+    "{{ '; parameters: ' ~ (f.parameters | tojson) if f.parameters else '; no parameters' }}\n"
+    "{% endfor %}{% endif %}"
     "{% for m in messages %}{{ m.role | capitalize }}: {{ m.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' chat-template `tojson` (Jinja's own escapes <, >, & and ' for HTML)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class ChatTemplate:
@@ -30,12 +49,15 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = _tojson
         self.template = env.from_string(source)
         self.bos_token, self.eos_token, self.origin = bos_token, eos_token, origin
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text of `messages` (dicts with `role`, `content`, maybe `name`) and `tools` (OpenAI tool
+        definitions as dicts, or None: no tools), with the generation prompt."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True,
+            return self.template.render(messages=messages, tools=tools or None, add_generation_prompt=True,
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except InvalidRequestError:
             raise

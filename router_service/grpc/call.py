@@ -34,18 +34,19 @@ def _token_logprob(token_id: int, e: list) -> pb.TokenLogprob:
 
 
 class GenerateCall:
-    """One `Generate` in flight over one prompt or a batch (`streams[i]`: prompt i). `response(o, i)` turns prompt
-    i's output into its `GenerateResponse`; `finished` once every prompt's last output went out. `close()`
+    """One `Generate` in flight over one prompt or a batch, n outputs each (`streams[i]`: output i, that is prompt
+    i // n's output i % n). `response(o, i)` turns output i's `TokenOutput` into its `GenerateResponse`; `finished`
+    once every output's last one went out. `close()`
     (idempotent, thread-safe) aborts the requests not finished; transports call it when the call ends for any
     reason (cancel, disconnect, deadline, error). The call's end status is counted once in `metrics`
-    (`moeray_requests_total{frontend="grpc",endpoint="Generate"}`): OK, CANCELLED (a prompt aborted, or the call
+    (`moeray_requests_total{frontend="grpc",endpoint="Generate"}`): OK, CANCELLED (an output aborted, or the call
     ended early) or UNAVAILABLE (a rank failed)."""
 
     def __init__(self, router, streams: list[RequestStream], timer=None, metrics=None):
         self.router, self.streams = router, list(streams)
         self.timer = timer  # a router_service.metrics.RequestObserver over the streams (TTFT / ITL / e2e), or None
         self.metrics = metrics  # a router_service.metrics.Metrics, or None
-        self.completion = [0] * len(self.streams)  # tokens streamed so far, per prompt
+        self.completion = [0] * len(self.streams)  # tokens streamed so far, per output
         self._left = len(self.streams)
         self._aborted = False
         self._lock = threading.Lock()
@@ -56,7 +57,7 @@ class GenerateCall:
         return self._finished.is_set()
 
     def response(self, o: TokenOutput, index: int = 0) -> pb.GenerateResponse:
-        """The response for one output of prompt `index`; its last one (finish_reason set) carries its usage.
+        """The response for one `TokenOutput` of output `index`; its last one (finish_reason set) carries its usage.
 
         Raises:
             RpcError: UNAVAILABLE when the rank failed (`finish_reason == "error"`; retriable).

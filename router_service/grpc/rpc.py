@@ -14,7 +14,8 @@ What both guarantee (the logic here is what makes it so):
 - bad input -> INVALID_ARGUMENT whose message starts with the field (`max_tokens: max_tokens=5000
   exceeds the context window ...`); an unserved `model` -> NOT_FOUND (HTTP's 404 model_not_found); queue limit
   -> RESOURCE_EXHAUSTED; a rank failure -> UNAVAILABLE (retriable);
-- a batch (`GenerateRequest.batch`) is admitted whole or not at all: a refused prompt aborts those submitted;
+- a batch (`GenerateRequest.batch`, each prompt `sampling.n` times) is admitted whole or not at all: a refused
+  prompt aborts those submitted; `sampling.json_schema` / `json_object` use HTTP's grammar helper;
 - an optional API key, sent as metadata `authorization: Bearer <key>` or `x-api-key: <key>`
   (`Health` needs none, so probes work);
 - client data is parsed as protobuf only (never unpickled).
@@ -22,6 +23,7 @@ What both guarantee (the logic here is what makes it so):
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import re
 import uuid
@@ -33,7 +35,8 @@ import grpc
 from actors.engine.sampling import SamplingParams
 from router_service.errors import EngineError, InvalidRequestError, ModelNotFoundError, OverloadedError
 from router_service.grpc.call import GenerateCall, RpcError
-from router_service.http.models import MAX_PROMPTS
+from router_service.http.models import MAX_PROMPTS, MAX_SEED, check_n
+from router_service.http.structured import ANY_OBJECT, schema_grammar
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.router import Router
 from router_service.stream import RequestStream
@@ -52,8 +55,10 @@ def params_error_field(message: str) -> str:
     return m.group(1) if m and m.group(1) in _PARAM_FIELDS else "sampling"
 
 
-def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    """Proto -> validated `SamplingParams`; unset optional fields take the defaults.
+def params_from_proto(sp: pb.SamplingParams, grammar: str | None = None, index: int = 0) -> SamplingParams:
+    """Proto -> validated `SamplingParams` of output `index` of a prompt (its seed offset by `index` so the n
+    outputs differ, as HTTP's `n`), constrained by `grammar` (`proto_grammar`'s); unset optional fields take the
+    defaults.
 
     Raises:
         InvalidRequestError: naming the field, its value and the allowed range.
@@ -63,14 +68,44 @@ def params_from_proto(sp: pb.SamplingParams) -> SamplingParams:
                  "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
+    if index and "seed" in kw:
+        kw["seed"] = (kw["seed"] + index) % MAX_SEED
     kw["stop"] = list(sp.stop)
     kw["stop_token_ids"] = list(sp.stop_token_ids)
     kw["ignore_eos"] = sp.ignore_eos
     kw["logit_bias"] = dict(sp.logit_bias) or None
+    kw["grammar"] = grammar
     try:
         return SamplingParams(**kw)
     except ValueError as e:
         raise InvalidRequestError(params_error_field(str(e)), str(e)) from e
+
+
+def proto_n(sp: pb.SamplingParams) -> int:
+    """`sampling.n` (unset: 1). Raises InvalidRequestError naming `n` outside 1..MAX_N (HTTP's words)."""
+    try:
+        return check_n(sp.n) if sp.HasField("n") else 1
+    except ValueError as e:
+        raise InvalidRequestError("n", str(e)) from e
+
+
+def proto_grammar(sp: pb.SamplingParams, router: Router) -> str | None:
+    """The grammar of `sampling.json_schema` (a JSON schema as text) or `json_object: true` (any JSON object),
+    built by HTTP's helper (`structured.schema_grammar`); None: unconstrained (`json_object: false` included).
+
+    Raises:
+        InvalidRequestError: naming `json_schema` (not JSON, not an object, does not compile) or `json_object`.
+    """
+    kind = sp.WhichOneof("structured")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(sp.json_schema)
+        except ValueError as e:
+            raise InvalidRequestError("json_schema", f"json_schema: not JSON text ({e})") from e
+        return schema_grammar(schema, "json_schema", router)
+    if kind == "json_object" and sp.json_object:
+        return schema_grammar(ANY_OBJECT, "json_object", router)
+    return None
 
 
 def is_in_flight(router: Router, request_id: str) -> bool:
@@ -175,16 +210,22 @@ class MoerayRpc:
         try:
             self._check_model(request.model)
             prompts = self._prompts(request)
-            params = params_from_proto(request.sampling)
+            sp = request.sampling
+            params_from_proto(sp)  # the plain fields' errors first, before a grammar is compiled
+            n = proto_n(sp)
+            grammar = proto_grammar(sp, self.router)  # compiled and checked once, for every output
+            outs = [params_from_proto(sp, grammar, j) for j in range(n)]
             rid = request.request_id or uuid.uuid4().hex
             batch = request.WhichOneof("prompt") == "batch"
             for i, prompt in enumerate(prompts):
-                try:
-                    streams.append(self.router.submit(prompt, params, f"{rid}-{i}" if batch else rid))
-                except InvalidRequestError as e:
-                    if batch:
-                        raise InvalidRequestError(e.field, f"prompt {i} of the batch: {e}") from e
-                    raise
+                for j in range(n):  # output i * n + j: prompt-major, as HTTP's choices
+                    try:
+                        streams.append(self.router.submit(prompt, outs[j], f"{rid}-{i * n + j}" if batch or n > 1
+                                                          else rid))
+                    except InvalidRequestError as e:
+                        if batch:
+                            raise InvalidRequestError(e.field, f"prompt {i} of the batch: {e}") from e
+                        raise
             return streams
         except ModelNotFoundError as e:
             reason = "model_not_found"

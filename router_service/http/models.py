@@ -8,11 +8,10 @@ its default, as in OpenAI's API (the SDKs and many gateways send nulls).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from actors.engine.sampling import (LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, PENALTY_LIMIT,
                                     SamplingParams, check_kv_profile_name, parse_logit_bias)
@@ -30,6 +29,13 @@ NOT_YET_SUPPORTED = {
     "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
 }
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def check_n(n: int) -> int:
+    """`n` (choices per prompt) of either front door. Raises ValueError: n outside 1..MAX_N."""
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n={n} is out of range: 1 to {MAX_N} choices per prompt (moeray's limit)")
+    return n
 
 
 class NullIsDefault(BaseModel):
@@ -76,7 +82,7 @@ class SamplingFields(NullIsDefault):
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="nucleus mass, in (0, 1]")
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    n: int = Field(1, description=f"choices per prompt, 1 to {MAX_N}")
+    n: Annotated[int, AfterValidator(check_n)] = Field(1, description=f"choices per prompt, 1 to {MAX_N}")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(None, description=f"at most {MAX_STOP_STRINGS} non-empty strings")
@@ -116,13 +122,6 @@ class SamplingFields(NullIsDefault):
     @classmethod
     def _logit_bias(cls, v):
         return parse_logit_bias(v)  # JSON keys are strings ("50256"); ids vs the vocabulary: the router's check
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if not 1 <= v <= MAX_N:
-            raise ValueError(f"n={v} is out of range: 1 to {MAX_N} choices per prompt (moeray's limit)")
-        return v
 
     @field_validator("gating")
     @classmethod

@@ -8,9 +8,9 @@ Leaving `outputs` early (also cancellation: the client went away) aborts every u
 rank (KV blocks freed).
 
 Chat template: `chat_template` from the model's tokenizer_config.json (Jinja, rendered in a sandbox
-with `messages`, `add_generation_prompt=True`, `bos_token`, `eos_token`), else `DEFAULT_CHAT_TEMPLATE`:
-one `Role: content` line per message, then `Assistant:` (plain text, since the shipped model has no
-chat special tokens).
+with `messages`, `tools` (the request's tool definitions, or None), `add_generation_prompt=True`, `bos_token`,
+`eos_token`), else `DEFAULT_CHAT_TEMPLATE`: the tools as a `System: Tools:` block, one `Role: content` line per
+message, then `Assistant:` (plain text, since the shipped model has no chat special tokens).
 """
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ class OpenAIServer:
 
     def chat_jobs(self, req: ChatCompletionRequest, rid: str) -> list[tuple]:
         self._check_model(req)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None  # the template shows them
         text = self.chat_template.render([{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                                          for m in req.messages])
+                                          for m in req.messages], tools)
         ids = self.router.encode(text, "messages")
         L = self.router.cfg.max_model_len
         if req.output_limit is not None:

@@ -160,8 +160,17 @@ def request_grammar(req, router) -> str | None:
         field, schema = "tools", _tool_schema(req, mode)
     else:
         field, schema = "response_format", req.response_format.output_schema() if req.response_format else None
-    if schema is None:
-        return None
+    return None if schema is None else schema_grammar(schema, field, router)
+
+
+def schema_grammar(schema: dict, field: str, router) -> str:
+    """The llguidance grammar of a JSON schema (an object), checked against the model's tokenizer
+    (`router.cfg.model`, `router.vocab_size`): one helper for every front door (HTTP `response_format` / `tools`,
+    gRPC `SamplingParams.json_schema` / `json_object`).
+
+    Raises:
+        InvalidRequestError: naming `field`, with the library's words for the schema's fault.
+    """
     tokenizer = load_tokenizer(f"{router.cfg.model}/tokenizer.json", router.vocab_size)
     try:
         grammar = json_schema_grammar(schema)

@@ -218,6 +218,27 @@ def test_chat_template_from_tokenizer_config(tmp_path):
     assert ChatTemplate(DEFAULT_CHAT_TEMPLATE).render([{"role": "user", "content": "x"}]) == "User: x\nAssistant:"
 
 
+def test_templates_render_tools():
+    """The default template lists each tool (name, description, JSON parameters) in a system block before the
+    messages; a checkpoint's template gets `tools` as transformers passes them, with transformers' `tojson`."""
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"}]
+    params = {"type": "object", "properties": {"city": {"type": "string", "description": "<name> & country"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": params}},
+             {"type": "function", "function": {"name": "ping"}}]
+    assert ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(msgs, tools) == (
+        'System: Tools:\n'
+        '- get_weather: forecast; parameters: {"type": "object", "properties": {"city": {"type": "string", '
+        '"description": "<name> & country"}}}\n'
+        '- ping; no parameters\n'
+        'System: Be brief.\nUser: Weather in Oslo?\nAssistant:')
+    assert ChatTemplate(DEFAULT_CHAT_TEMPLATE).render(msgs, []) == "System: Be brief.\nUser: Weather in Oslo?\nAssistant:"
+    own = ChatTemplate("{% if tools %}<tools>{% for t in tools %}{{ t | tojson(indent=1) }}{% endfor %}</tools>"
+                       "{% endif %}{% for m in messages %}{{ m.content }};{% endfor %}")
+    assert own.render(msgs, tools[1:]) == ('<tools>{\n "type": "function",\n "function": {\n  "name": "ping"\n }\n}'
+                                           '</tools>Be brief.;Weather in Oslo?;')
+    assert own.render(msgs) == "Be brief.;Weather in Oslo?;"
+
+
 @pytest.mark.parametrize("body, field, limit", [
     ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
     ({"max_tokens": 0}, "max_tokens", "needs echo=true"),

@@ -168,3 +168,67 @@ def test_admission_checks_a_grammar_from_any_front_door(router):
         router.validate("hi", SamplingParams(max_tokens=4, grammar=json_schema_grammar({"type": "nosuchtype"})))
     assert e.value.field == "grammar"
     assert router.validate("hi", SamplingParams(max_tokens=4, grammar=json_schema_grammar(PERSON)))
+
+
+# ------------------------------------------------------------------------------------------------ over gRPC
+@pytest.fixture(scope="module")
+def grpc_stub(router):
+    import grpc
+
+    from router_service.grpc.server import start_grpc_server
+    from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+
+    srv = start_grpc_server(router, host="127.0.0.1", port=0)
+    ch = grpc.insecure_channel(srv.address)
+    yield pb_grpc.MoerayStub(ch)
+    ch.close()
+    srv.stop(0)
+
+
+def _outputs(resps) -> dict[int, tuple[str, int]]:
+    """Per output index: (its text, its finish reason)."""
+    texts: dict[int, list[str]] = {}
+    reasons = {}
+    for r in resps:
+        texts.setdefault(r.index, []).append(r.text)
+        if r.finish_reason:
+            reasons[r.index] = r.finish_reason
+    return {i: ("".join(t), reasons.get(i)) for i, t in texts.items()}
+
+
+def test_grpc_json_schema_and_json_object(grpc_stub):
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+
+    req = pb.GenerateRequest(text="order = ", sampling=pb.SamplingParams(
+        temperature=1.0, seed=13, max_tokens=256, n=4, json_schema=json.dumps(ORDER)))
+    outs = _outputs(grpc_stub.Generate(req, timeout=120))
+    assert sorted(outs) == [0, 1, 2, 3]
+    for text, reason in outs.values():
+        assert reason == pb.FINISH_REASON_STOP, (reason, text)  # a truncated output is a failure
+        jsonschema.validate(json.loads(text), ORDER)
+    assert len({t for t, _ in outs.values()}) >= 3  # sampled: different outputs
+    req = pb.GenerateRequest(text="d = dict(a=1)\nreturn ", sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=256, json_object=True))
+    ((text, reason),) = _outputs(grpc_stub.Generate(req, timeout=120)).values()
+    assert reason == pb.FINISH_REASON_STOP and isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("sampling, field, words", [
+    ({"json_schema": json.dumps({"type": "nosuchtype"})}, "json_schema", "does not compile"),
+    ({"json_schema": "{not json"}, "json_schema", "not JSON"),
+    ({"json_schema": "[1, 2]"}, "json_schema", "must be an object"),
+    ({"json_object": True, "ignore_eos": True}, "ignore_eos", "grammar"),
+    ({"json_object": True, "min_tokens": 2}, "min_tokens", "grammar"),
+])
+def test_grpc_bad_structured_output_is_invalid_argument(grpc_stub, router, sampling, field, words):
+    import grpc
+
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+
+    before = len(router.streams)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(grpc_stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=8, **sampling)),
+                                timeout=60))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith(f"{field}: ") and words in ei.value.details(), ei.value.details()
+    assert len(router.streams) == before  # refused before anything reached the engine

@@ -394,3 +394,46 @@ def test_a_request_past_the_timeout_gets_504_and_is_aborted(tiny_moe_dir):
     assert len(router.aborted) == 2  # both stopped on their ranks
     with pytest.raises(ValueError, match="request_timeout_s=0"):
         create_app(router, request_timeout_s=0)
+
+
+# ------------------------------------------------------------------------------------------------ gRPC n
+def test_grpc_n_is_prompt_major_with_http_limits(router):
+    from router_service.grpc.server import start_grpc_server
+    from router_service.proto.moeray.v1 import moeray_pb2 as pb
+    from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+
+    prompts = [[5, 6, 7], [9]]
+    srv = start_grpc_server(router, port=0, model_name=MODEL)
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = pb_grpc.MoerayStub(ch)
+            batch = pb.PromptBatch(prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=p)) for p in prompts])
+            resps = list(stub.Generate(pb.GenerateRequest(request_id="q", batch=batch, sampling=pb.SamplingParams(
+                max_tokens=3, seed=4, n=3))))
+            texts = {}
+            for r in resps:
+                assert r.request_id == f"q-{r.index}"
+                texts[r.index] = texts.get(r.index, "") + r.text
+            assert [texts[i] for i in range(6)] == expected(router, prompts, n=3, max_tokens=3, seed=4)
+            assert [rid for _, _, rid in router.submitted] == [f"q-{i}" for i in range(6)]
+            one = list(stub.Generate(pb.GenerateRequest(request_id="s", text="hi", sampling=pb.SamplingParams(
+                max_tokens=2, n=2))))
+            assert {(r.index, r.request_id) for r in one} == {(0, "s-0"), (1, "s-1")}
+            for n in (0, 9):
+                with pytest.raises(grpc.RpcError) as ei:
+                    list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(n=n))))
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert ei.value.details() == f"n: n={n} is out of range: 1 to 8 choices per prompt (moeray's limit)"
+    finally:
+        srv.stop(0)
+
+
+def test_chat_tools_reach_the_template(client, router):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "forecast",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                  "tools": tools, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    prompt = router.tokenizer.decode(router.submitted[-1][0], skip_special_tokens=False)
+    assert prompt == ('System: Tools:\n- get_weather: forecast; parameters: {"type": "object", "properties": '
+                      '{"city": {"type": "string"}}}\nUser: hi\nAssistant:')

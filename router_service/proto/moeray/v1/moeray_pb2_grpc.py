@@ -65,9 +65,10 @@ class MoerayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Generate tokens for one prompt, or for each prompt of a batch; one response per decode step of a prompt with
-        its new token ids and text delta (`index`: which prompt). A prompt's last response has finish_reason set and
-        carries that prompt's usage (sum them for the batch's, as OpenAI's completions usage).
+        """Generate tokens for one prompt, or for each prompt of a batch, `sampling.n` outputs each; one response per
+        decode step of an output with its new token ids and text delta (`index`: which output). An output's last
+        response has finish_reason set and carries its usage (its prompt's tokens and its own; OpenAI's completions
+        usage sums completion_tokens over every output and counts each prompt once).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
