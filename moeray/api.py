@@ -78,14 +78,18 @@ class LLM:
             prompts = [prompts]
         return self.router.generate(prompts, params or SamplingParams())
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation (a list of {"role", "content"} dicts) or to each of
         several, as vLLM's `LLM.chat`: the model's chat template (tokenizer_config.json `chat_template`, else
         `router_service.chat_template.DEFAULT_CHAT_TEMPLATE`) renders each conversation with the generation
-        prompt, and that text is the request's `prompt`.
+        prompt and `tools` (OpenAI tool definitions, `{"type": "function", "function": {"name", ...}}`, rendered
+        into every conversation as vLLM's `LLM.chat(tools=...)` does: the model sees them; no tool-call parsing),
+        and that text is the request's `prompt`.
         Raises:
             ValueError: a message is not a dict with string `role` and `content` (names it, e.g.
-                `messages[0][1].content`), or the template rejects the conversation."""
+                `messages[0][1].content`), a tool is not a function definition with a string name (names it,
+                e.g. `tools[0].function.name`), or the template rejects the conversation."""
         from router_service.chat_template import load_chat_template
 
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -98,10 +102,15 @@ class LLM:
                 for k in ("role", "content"):
                     if not isinstance(m, dict) or not isinstance(m.get(k), str):
                         raise ValueError(f"messages[{i}][{j}].{k} must be a string")
+        for i, t in enumerate(tools or []):
+            fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"tools[{i}].function.name must be a string (a tool is "
+                                 "{'type': 'function', 'function': {'name': ...}})")
         if self._chat_template is None:
             self._chat_template = load_chat_template(self.config.model)
         # a template's own refusal raises InvalidRequestError, a ValueError naming `messages`
-        return self.generate([self._chat_template.render(conv) for conv in convs], params)
+        return self.generate([self._chat_template.render(conv, tools) for conv in convs], params)
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> RequestStream:
         """Submit one prompt; iterate the returned stream for token outputs as they are produced."""

@@ -85,6 +85,12 @@ def test_chat_renders_the_template_and_generates(llm2):
     for bad, name in (([{"role": "user"}], "messages[0][0].content"), ([[]], "messages[0]"), ([], "empty")):
         with pytest.raises(ValueError, match=re.escape(name)):
             llm2.chat(bad, params)
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "Now.", "parameters": {}}}]
+    with_tools = llm2.chat(conv[1:], params, tools=tools)[0]
+    assert with_tools.prompt.startswith("System: Tools:\n- get_time: Now.") and with_tools.prompt.endswith(
+        "User: Hello\nAssistant:")
+    with pytest.raises(ValueError, match=re.escape("tools[0].function.name")):
+        llm2.chat(conv, params, tools=[{"type": "function", "function": {}}])
 
 
 def test_bad_input_is_named_and_others_go_on(llm2):
