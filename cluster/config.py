@@ -30,7 +30,7 @@ class ClusterConfig:
     model: str = DEFAULT_MODEL
     ranks: int = 2
     dtype: str = _ENGINE["dtype"]
-    max_model_len: int | None = None  # default: min(1024, the model's max_position_embeddings)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings (as vLLM)
     max_num_seqs: int = _ENGINE["max_num_seqs"]
     max_batched_tokens: int = _ENGINE["max_batched_tokens"]
     block_size: int = _ENGINE["block_size"]
@@ -69,7 +69,7 @@ class ClusterConfig:
             raise ValueError(f"model={self.model!r}: no config.json there")
         mc = ModelConfig.from_pretrained(self.model)
         if self.max_model_len is None:
-            self.max_model_len = min(1024, mc.max_position_embeddings)
+            self.max_model_len = mc.max_position_embeddings
         if not 1 <= self.max_model_len <= mc.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} must be in [1, the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}]")

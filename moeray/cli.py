@@ -56,7 +56,7 @@ def add_engine_args(p) -> None:
                         "STRICT_SPREAD: one rank per node or nothing (after a node dies the group waits for a new "
                         "node); STRICT_PACK: all ranks on one node or nothing. See README 'Several machines'")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="context window in tokens; unset: min(1024, the model's max_position_embeddings)")
+                   help="context window in tokens; unset: the model's max_position_embeddings (as vLLM)")
     p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
                    help="running sequences per rank at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=_CLUSTER["max_batched_tokens"].default,
