@@ -183,7 +183,7 @@ def prepare(work, init: str | None = None):
 
 
 def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0,
-            answer_weight: float = 1.0):
+            answer_weight: float = 1.0, facts_per_1k: float | None = None):
     """Yield micro-batches (x, w) of windows, prose and code alternating row by row (and, with one row per
     micro-batch, micro-batch by micro-batch), uniformly random offsets: x [micro_bs, ctx + 1] int64 and w
     [micro_bs, ctx] float32, the loss weight of each predicted token x[:, 1:] (1, or `answer_weight` for the
@@ -192,7 +192,9 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
     short_ctx > 0: every other micro-batch is [micro_bs * ctx // short_ctx, short_ctx + 1] instead, the same
     tokens in shorter windows (a long-context stage keeps training the short context it started from).
     retrieval_frac > 0: that share of the windows (long and short) get retrieval records planted
-    (`retrieval_records.plant_training_records`, needs `tok`), drawn from `gen`.
+    (`retrieval_records.plant_training_records`, needs `tok`), drawn from `gen`: `facts_per_1k` facts per
+    1,024 tokens of window (24 at most; None: 3 in a 1k window, 6 in a 4k one), each asked for at the
+    window's end.
     """
     from retrieval_records import plant_training_records
 
@@ -208,7 +210,8 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
             w = torch.ones(L)
             if retrieval_frac > 0 and float(torch.rand((), generator=gen)) < retrieval_frac:
                 rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
-                n_facts = max(1, min(6, L // 340))  # 3 in a 1k window, 6 in a 4k one
+                n_facts = (max(1, min(6, L // 340)) if facts_per_1k is None  # 3 in a 1k window, 6 in a 4k one
+                           else max(1, min(24, int(L * facts_per_1k / 1024))))
                 ids, mask = plant_training_records(tok, row.tolist(), rng, n_facts=n_facts, answer_mask=True)
                 row = torch.tensor(ids)
                 w[torch.tensor(mask[1:])] = answer_weight
@@ -327,6 +330,9 @@ def main():
                     help="share of the --ctx windows with retrieval records planted (scripts/retrieval_records.py)")
     ap.add_argument("--answer-weight", type=float, default=1.0,
                     help="loss weight of a planted record's answer tokens (1: plain next-token loss)")
+    ap.add_argument("--facts-per-1k", type=float, default=None,
+                    help="planted facts per 1,024 tokens of a retrieval window (24 per window at most; "
+                         "unset: 3 in a 1k window, 6 in a 4k one)")
     ap.add_argument("--probe-every", type=int, default=0, help="print a retrieval probe every N steps (0: never)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -387,7 +393,8 @@ def main():
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(args.work_dir, "tokenizer.json"))
-    it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac, args.answer_weight)
+    it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac, args.answer_weight,
+                 args.facts_per_1k)
     sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
     micro = step * args.accum
     model.train()
@@ -475,7 +482,8 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
         this.update(lr=args.lr, seq_balance_coef=args.seq_balance_coef, smooth_coef=args.smooth_coef,
                     sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin, context=args.ctx,
                     rope_theta=model.config.rope_parameters["rope_theta"], short_ctx=args.short_ctx,
-                    retrieval_frac=args.retrieval_frac)
+                    retrieval_frac=args.retrieval_frac, answer_weight=args.answer_weight,
+                    facts_per_1k=args.facts_per_1k)
         summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)
