@@ -260,7 +260,7 @@ class Router:
                 self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
                                         "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
             self._start_pollers()
-        log.warning("EP group serving again after %.1f s (%d attempts)", time.monotonic() - t0, attempt)
+        log.warning("EP group %s after %.1f s (attempts: %d)", "up" if first else "up again", time.monotonic() - t0, attempt)
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Graceful shutdown: refuse new requests (retriable EngineError: HTTP 503 / gRPC UNAVAILABLE), let the

@@ -229,10 +229,10 @@ class MoerayRpc:
             return streams
         except ModelNotFoundError as e:
             reason = "model_not_found"
-            raise RpcError(grpc.StatusCode.NOT_FOUND, f"{e.field}: {e}") from e
+            raise RpcError(grpc.StatusCode.NOT_FOUND, _detail(e)) from e
         except InvalidRequestError as e:
             reason = "invalid"
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}") from e
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, _detail(e)) from e
         except OverloadedError as e:
             reason = "overloaded"
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
@@ -280,3 +280,9 @@ class MoerayRpc:
             ranks=[pb.RankStats(rank=r["rank"], kv_blocks_total=r["kv_blocks_total"], kv_blocks_free=r["kv_blocks_free"],
                                 running=r["running"], waiting=r["waiting"], steps=int(r.get("steps", 0)),
                                 failed=r.get("failed") or "") for r in s["ranks"]])
+
+
+def _detail(e: InvalidRequestError) -> str:
+    """A status's details: the message, led by its field once (`json_schema: not JSON text ...`)."""
+    msg = str(e)
+    return msg if msg.startswith(f"{e.field}:") else f"{e.field}: {msg}"

@@ -182,11 +182,16 @@ def schema_grammar(schema: dict, field: str, router) -> str:
 
 def tool_call_choice(choice: dict, mode: str) -> dict:
     """A chat choice (`message.content` = the constrained text) as a tool call: `message.tool_calls` = [{id, type,
-    function: {name, arguments (a JSON string)}}], `content` null, finish_reason "tool_calls". An output cut short
-    (finish_reason "length", or a stop string inside it) is not a call: it stays as it is."""
+    function: {name, arguments (a JSON string)}}], `content` null, finish_reason "tool_calls". A named call cut
+    short by max_tokens is still the call, with its partial `arguments` and finish_reason "length" (as vLLM
+    answers a named tool choice: a client reads `tool_calls` either way). A "required" output cut short (by
+    max_tokens or a stop string) names no function that can be read: it stays as text."""
     text, msg = choice["message"]["content"], choice["message"]
+    finish = "tool_calls"
     if choice["finish_reason"] != "stop":
-        return choice
+        if mode == "required" or choice["finish_reason"] != "length":
+            return choice
+        finish = "length"
     if mode == "required":
         try:
             call = json.loads(text)
@@ -197,4 +202,4 @@ def tool_call_choice(choice: dict, mode: str) -> dict:
         name, args = mode, text
     msg = {**msg, "content": None, "tool_calls": [
         {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}]}
-    return {**choice, "message": msg, "finish_reason": "tool_calls"}
+    return {**choice, "message": msg, "finish_reason": finish}
