@@ -72,7 +72,8 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     predictors' log-linear weights on `token_chunks` (`fit_loglinear`, block-prequential for the counts, with
     the fitted lookahead and MLPs as served); optionally save it all (`out_path`, usually
     `<model>/expert_transitions.safetensors`). All chunks: training-side text only. `pre_attention=False`
-    skips the MLPs."""
+    skips the MLPs. Known bias: the MLP term of the pre_attention_hybrid fit is scored on text the MLPs were
+    trained on (in-sample, more confident than on served text)."""
     mc = engine.model.cfg
     traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
