@@ -11,6 +11,7 @@ import torch
 
 from router_service.routing.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates, fit_pre_attention
 from actors.prefetch.predictors import make_predictor
+from actors.prefetch.pre_attention import PreAttentionPredictor
 from actors.prefetch.transitions import TransitionCounts
 
 
@@ -72,8 +73,8 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     predictors' log-linear weights on `token_chunks` (`fit_loglinear`, block-prequential for the counts, with
     the fitted lookahead and MLPs as served); optionally save it all (`out_path`, usually
     `<model>/expert_transitions.safetensors`). All chunks: training-side text only. `pre_attention=False`
-    skips the MLPs. Known bias: the MLP term of the pre_attention_hybrid fit is scored on text the MLPs were
-    trained on (in-sample, more confident than on served text)."""
+    skips the MLPs. The pre_attention_hybrid weights are fitted with MLPs trained on `pre_attention_chunks`
+    alone (out of sample for `token_chunks`, as served text is), when there are any."""
     mc = engine.model.cfg
     traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
@@ -89,8 +90,12 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     if pre_attention:
         extra = [record_routing(engine, ch, with_hidden=True)[0] for ch in (pre_attention_chunks or []) if len(ch) > 1]
         counts.pre_attention = fit_pre_attention(traces + extra, mc.num_experts) or None
+        if counts.pre_attention:  # the hybrid's fit scores `traces`: with MLPs trained without them if there is text
+            held = fit_pre_attention(extra, mc.num_experts) if extra else {}
+            pa = make_predictor("pre_attention", **{**kw, "counts": counts.clone()})
+            if held:
+                pa = PreAttentionPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers, mlps=held)
         del extra
-        pa = make_predictor("pre_attention", **kw) if counts.pre_attention else None
     counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look, pre_attention=pa)
     if out_path:
         counts.save(out_path, meta)
