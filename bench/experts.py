@@ -6,7 +6,8 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
  2. Prequential recall and precision of each expert predictor (budget k + 1 per token) on held-out text of both
     domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead
     (with the fitted lookahead gates of the transitions file when it has them; "lookahead (gate)": the
-    routers' own gates), hybrid. The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
+    routers' own gates), hybrid, pre_attention (the calibration file's MLPs, `actors.prefetch.pre_attention`)
+    and pre_attention_hybrid (with the Markov chains). The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
     calibration run here on training text (standard-library code outside the held-out packages, and prose
     from `--calib-prose` files when given).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
@@ -19,7 +20,8 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
     python bench/experts.py --quick
 
 Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code=.. markov_recall=..
-lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..`
+lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..
+recall_pre_attention=.. recall_pre_attention_hybrid=..`
 (dppl: perplexity change in percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both
 domains; slowdown = batch-1 TPOT at C = E/2 with the default (auto) prefetcher / at C = E, the median of
 per-round ratios of 5 rounds measuring C = E and C = E/2 back to back; _hybrid: with the default predictor
@@ -49,6 +51,7 @@ from actors.engine.sampling import SamplingParams
 from cluster.config import DEFAULT_MODEL
 from actors.prefetch.predictors import DEFAULT_PREDICTOR, make_predictor
 from actors.prefetch.transitions import TRANSITIONS_FILE, TransitionCounts
+from router_service.routing.fitting import fit_pre_attention
 from router_service.routing.prequential import prequential_eval
 from actors.moe.stats import thrashing
 
@@ -227,12 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         texts = training_text(a.calib_prose, 4 * calib_tokens)
         share = calib_tokens // len(texts)
-        cal = []
-        for text in texts.values():
-            ids = eng.tokenizer.encode(text).ids[:share]
-            cal += [record_routing(eng, ids[i : i + 256])[0] for i in range(0, len(ids) - 1, 256)
-                    if len(ids[i : i + 256]) > 1]
+        cal = [record_routing(eng, ids[i : i + 256], with_hidden=True)[0] for text in texts.values()
+               for ids in [eng.tokenizer.encode(text).ids[:share]] for i in range(0, len(ids) - 1, 256)
+               if len(ids[i : i + 256]) > 1]
         counts = transitions_from_traces(cal, mc.num_layers, E)
+        counts.pre_attention = fit_pre_attention(cal, E) or None
         src = f"calibration run here on {counts.tokens} training tokens ({', '.join(texts)})"
     print(f"\n2. prequential prediction, budget k+1 = {K + 1} experts per token; Markov seeded from {src}")
     gates = [eng.model.w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
@@ -242,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if counts is not None and counts.lookahead_gates:  # "lookahead" uses the fitted gates; this row the routers'
         kinds = {**{k: v for k, v in kinds.items() if k != "hybrid"}, "lookahead (gate)": ("lookahead", None),
                  "hybrid": kinds["hybrid"]}
+    if counts.pre_attention:
+        kinds |= {k: (k, counts) for k in ("pre_attention", "pre_attention_hybrid")}
     recall: dict[str, dict[str, float]] = {k: {} for k in kinds}
     prec: dict[str, dict[str, float]] = {k: {} for k in kinds}
     for d in data:
@@ -334,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
          "dppl3_prose": dppl[(3, False)]["prose"], "dppl3_code": dppl[(3, False)]["code"],
          "markov_recall": mean_recall["markov"], "lookahead_recall": mean_recall["lookahead"],
          "frequent_recall": mean_recall["frequent"], "best_recall": max(mean_recall.values()),
-         "half_cache_slowdown": slowdown, "half_cache_slowdown_hybrid": slowdown_pred}
+         "half_cache_slowdown": slowdown, "half_cache_slowdown_hybrid": slowdown_pred,
+         "recall_pre_attention": mean_recall.get("pre_attention", float("nan")),
+         "recall_pre_attention_hybrid": mean_recall.get("pre_attention_hybrid", float("nan"))}
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in r.items()))
     return 0
 

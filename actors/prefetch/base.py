@@ -60,8 +60,9 @@ def _loglinear(logf: torch.Tensor, feats: list, weights, num_tokens: int) -> tor
 
 # Log-linear weights used when the calibration file has none: naive Bayes over the previous layer's set (1.0),
 # the previous token's set at half weight (consecutive tokens share under half their experts on tiny-moe), and
-# the lookahead at the weight the calibration fit found on tiny-moe (about 2: the gate is sharper than its softmax).
-DEFAULT_WEIGHTS = {"markov": (1.0, 0.5), "hybrid": (1.0, 0.5, 2.0)}
+# the lookahead at the weight the calibration fit found on tiny-moe (about 2: the gate is sharper than its softmax);
+# the pre-attention MLP's term starts there too.
+DEFAULT_WEIGHTS = {"markov": (1.0, 0.5), "hybrid": (1.0, 0.5, 2.0), "pre_attention_hybrid": (1.0, 0.5, 2.0)}
 
 
 def _layer_weights(name: str, num_layers: int, num_features: int, weights, counts) -> torch.Tensor:

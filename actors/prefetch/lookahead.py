@@ -124,3 +124,12 @@ class HybridPredictor(ExpertPredictor):
 
     def observe_lists(self, layer, ids, prev_layer, prev_tok):
         self.markov.observe_lists(layer, ids, prev_layer, prev_tok)
+
+
+class PreAttentionHybridPredictor(HybridPredictor):
+    """`HybridPredictor` with the pre-attention MLP (`actors.prefetch.pre_attention.PreAttentionPredictor`) as its
+    hidden-state source in place of the lookahead gate: score(b) = log P(b) + w_inter * g_inter(b) +
+    w_intra * g_intra(b) + w_pa * log p_mlp(b), weights `counts.weights["pre_attention_hybrid"]` (`fit_loglinear`).
+    The Markov terms learn online from the served text; the MLP does not."""
+
+    name = "pre_attention_hybrid"

@@ -20,16 +20,27 @@ routed at that layer, and the predictor learns from the truth right after; the f
               calibration file carries fitted lookahead gates (`fit_lookahead_gates`: a least-squares pre-gate,
               after Pre-gated MoE, Hwang et al. 2024, arXiv 2308.12066), those replace the next layer's gate.
   hybrid    - markov and lookahead in one log-linear model (a product of experts), weights fitted per layer.
+  pre_attention - a two-layer MLP per MoE layer (linear -> GELU -> linear, width 256) on the residual entering
+              the previous MoE layer's FFN, i.e. before this layer's attention and before the previous layer's
+              FFN (the prefetch's lead time), trained in the calibration run with a multi-label cross-entropy on
+              the true top-k and shipped in the calibration file (`fit_pre_attention`; after the pre-attention
+              predictor of arXiv 2511.10676; `actors.prefetch.pre_attention` says why this hidden state).
+  pre_attention_hybrid - markov and pre_attention in the hybrid's log-linear model (`fit_loglinear`).
 """
 from __future__ import annotations
 
 from actors.prefetch.base import ExpertPredictor, NoPredictor
-from actors.prefetch.lookahead import HybridPredictor, LookaheadPredictor
+from actors.prefetch.lookahead import HybridPredictor, LookaheadPredictor, PreAttentionHybridPredictor
 from actors.prefetch.markov import FrequencyPredictor, MarkovPredictor
+from actors.prefetch.pre_attention import PreAttentionPredictor
 from actors.prefetch.transitions import TransitionCounts
 
-PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid")
+PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid", "pre_attention", "pre_attention_hybrid")
 # Chosen by measurement (bench/experts.py, prequential recall on held-out prose and code of the tiny-moe model).
+# pre_attention_hybrid recalls more (quick bench 0.949 / 0.939 against hybrid's 0.907 / 0.900) but is not the
+# default yet: it needs a calibration file with the MLPs (a model without one would fail to start with the
+# default), and its decode step runs in Python, not in the hybrid's one compiled call (`kernels.cpu`), so its
+# batch-1 cost is unmeasured against the recall it buys. Serve it with prefetch="pre_attention_hybrid".
 DEFAULT_PREDICTOR = "hybrid"
 
 
@@ -37,11 +48,12 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
                    counts: TransitionCounts | None = None, gate_weights: list | None = None,
                    norm_weights: list | None = None, norm_eps: float = 1e-6) -> ExpertPredictor:
     """Build a predictor by name (one of PREDICTORS). Where `counts` carries fitted lookahead gates
-    (`fit_lookahead_gates`), lookahead and hybrid use them in place of the routers' `gate_weights`.
+    (`fit_lookahead_gates`), lookahead and hybrid use them in place of the routers' `gate_weights`; the
+    pre_attention predictors need `counts` with trained MLPs (`counts.pre_attention`, `fit_pre_attention`).
 
     Raises:
-        ValueError: unknown `name`, lookahead / hybrid without `gate_weights`, or fitted gates whose shape does
-            not match the routers'.
+        ValueError: unknown `name`, lookahead / hybrid without `gate_weights`, fitted gates whose shape does
+            not match the routers', or pre_attention / pre_attention_hybrid without trained MLPs in `counts`.
     """
     kw = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "moe_layers": moe_layers}
     if name == "none":
@@ -50,6 +62,18 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
         return FrequencyPredictor(**kw, counts=counts)
     if name == "markov":
         return MarkovPredictor(**kw, counts=counts)
+    if name in ("pre_attention", "pre_attention_hybrid"):
+        if counts is None or not counts.pre_attention:
+            raise ValueError(f"prefetch={name!r} needs a calibration file with pre-attention MLPs (rerun the "
+                             f"calibration: moeray.cli_quantize.run_calibration)")
+        for l, m in counts.pre_attention.items():
+            if gate_weights is not None and l < len(gate_weights) and gate_weights[l] is not None \
+                    and m.dims[0] != gate_weights[l].shape[1]:
+                raise ValueError(f"pre_attention[{l}] reads hidden size {m.dims[0]}, the model's is "
+                                 f"{gate_weights[l].shape[1]} (a transitions file from another model?)")
+        pa = PreAttentionPredictor(**kw, mlps=counts.pre_attention)
+        return pa if name == "pre_attention" else PreAttentionHybridPredictor(MarkovPredictor(**kw, counts=counts),
+                                                                              pa, counts=counts)
     if name in ("lookahead", "hybrid"):
         if gate_weights is None:
             raise ValueError(f"prefetch={name!r} needs the routers' gate_weights")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from actors.moe.stats import multi_hot
+from actors.prefetch.pre_attention import PreAttentionMLP
 
 TRANSITIONS_FILE = "expert_transitions.safetensors"
 
@@ -28,6 +29,8 @@ class TransitionCounts:
         "hybrid") -> per layer a list of floats; saved in the file's metadata; None when not fitted.
     lookahead_gates: fitted lookahead gates (`fit_lookahead_gates`): MoE layer -> `[E, D]` float32, used by
         the lookahead (and hybrid) predictor in place of that layer's router weights; None when not fitted.
+    pre_attention: trained pre-attention MLPs (`fit_pre_attention`): MoE layer -> PreAttentionMLP predicting
+        that layer's experts (`actors.prefetch.pre_attention`); saved as `pre_attention.<layer>.<w1|b1|w2|b2>`.
     Raises (in `__post_init__`): ValueError naming a field whose shape disagrees with `freq`.
     """
 
@@ -37,6 +40,7 @@ class TransitionCounts:
     tokens: int = 0
     weights: dict | None = None
     lookahead_gates: dict[int, torch.Tensor] | None = None
+    pre_attention: dict[int, PreAttentionMLP] | None = None
 
     def __post_init__(self) -> None:
         L, E = self.freq.shape
@@ -46,6 +50,9 @@ class TransitionCounts:
         for l, g in (self.lookahead_gates or {}).items():
             if not 0 <= l < L or g.dim() != 2 or g.shape[0] != E:
                 raise ValueError(f"lookahead_gates[{l}].shape={tuple(g.shape)}: expected layer in [0, {L}) and [E={E}, D]")
+        for l, m in (self.pre_attention or {}).items():
+            if not 0 <= l < L or m.dims[2] != E:
+                raise ValueError(f"pre_attention[{l}] predicts {m.dims[2]} experts: expected layer in [0, {L}) and E={E}")
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> TransitionCounts:
@@ -64,7 +71,8 @@ class TransitionCounts:
 
     def clone(self) -> TransitionCounts:
         return TransitionCounts(inter=self.inter.clone(), intra=self.intra.clone(), freq=self.freq.clone(),
-                                tokens=self.tokens, weights=self.weights, lookahead_gates=self.lookahead_gates)
+                                tokens=self.tokens, weights=self.weights, lookahead_gates=self.lookahead_gates,
+                                pre_attention=self.pre_attention)
 
     def observe(self, layer: int, ids_TK: torch.Tensor, prev_layer_ids_TK: torch.Tensor | None,
                 prev_token_ids_TK: torch.Tensor | None) -> None:
@@ -80,8 +88,8 @@ class TransitionCounts:
             self.tokens += ids_TK.shape[0]  # counted once per token: at the first layer that routes
 
     def save(self, path: str, meta: dict | None = None) -> None:
-        """Write a safetensors file (counts, fitted lookahead gates as `lookahead_gate.<layer>`, and json metadata:
-        layers, experts, tokens, fitted weights, `meta`)."""
+        """Write a safetensors file (counts, fitted lookahead gates as `lookahead_gate.<layer>`, pre-attention MLPs
+        as `pre_attention.<layer>.<name>`, and json metadata: layers, experts, tokens, fitted weights, `meta`)."""
         from safetensors.torch import save_file
 
         md = {"num_layers": str(self.num_layers), "num_experts": str(self.num_experts), "tokens": str(self.tokens),
@@ -91,6 +99,9 @@ class TransitionCounts:
         tensors = {"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()}
         for l, g in (self.lookahead_gates or {}).items():
             tensors[f"lookahead_gate.{l}"] = g.detach().float().contiguous()
+        for l, m in (self.pre_attention or {}).items():
+            for k, t in m.tensors().items():
+                tensors[f"pre_attention.{l}.{k}"] = t.detach().float().contiguous()
         save_file(tensors, path, metadata=md)
         os.chmod(path, 0o644)  # safetensors writes 0600; ranks may run as another user
 
@@ -105,5 +116,12 @@ class TransitionCounts:
             md = f.metadata() or {}
             t = {k: f.get_tensor(k).double() for k in ("inter", "intra", "freq")}
             gates = {int(k.split(".")[1]): f.get_tensor(k).float() for k in f.keys() if k.startswith("lookahead_gate.")}
+            pa: dict[int, dict] = {}
+            for k in f.keys():
+                if k.startswith("pre_attention."):
+                    _, l, name = k.split(".")
+                    pa.setdefault(int(l), {})[name] = f.get_tensor(k).float()
         w = json.loads(md["weights"]) if "weights" in md else None
-        return cls(**t, tokens=int(md.get("tokens", 0)), weights=w, lookahead_gates=gates or None)
+        mlps = {l: PreAttentionMLP(**v) for l, v in pa.items()}
+        return cls(**t, tokens=int(md.get("tokens", 0)), weights=w, lookahead_gates=gates or None,
+                   pre_attention=mlps or None)

@@ -17,6 +17,8 @@ from actors.moe.stats import multi_hot
 from actors.prefetch.base import DEFAULT_WEIGHTS
 from actors.prefetch.lookahead import LookaheadPredictor
 from actors.prefetch.markov import MarkovPredictor
+from actors.prefetch.pre_attention import PRE_ATTENTION_HIDDEN, PreAttentionMLP, PreAttentionPredictor, \
+    fit_pre_attention_mlp
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,9 +85,33 @@ def fit_lookahead_gates(traces: list[RoutingTrace], gate_weights: list, norm_wei
     return out
 
 
+def fit_pre_attention(traces: list[RoutingTrace], num_experts: int, *, hidden: int = PRE_ATTENTION_HIDDEN, epochs: int = 10,
+                      seed: int = 0) -> dict[int, PreAttentionMLP]:
+    """Train, per MoE layer l after the first, the pre-attention MLP (`actors.prefetch.pre_attention`): input the
+    residual entering the previous MoE layer's FFN (`RoutingTrace.hidden[:, l_prev]`), target layer l's true
+    top-k as a multi-hot vector, binary cross-entropy (`fit_pre_attention_mlp`). Training text only.
+
+    Returns:
+        {layer: PreAttentionMLP} ({} when no trace has hidden states).
+    """
+    xs: dict[int, list] = {}
+    ys: dict[int, list] = {}
+    for tr in traces:
+        if tr.hidden is None:
+            continue
+        L = tr.ids.shape[1]
+        moe = [l for l in range(L) if bool((tr.ids[:, l] >= 0).any())]
+        for pl, l in zip(moe, moe[1:]):
+            xs.setdefault(l, []).append(tr.hidden[:, pl])
+            ys.setdefault(l, []).append(tr.ids[:, l])
+    return {l: fit_pre_attention_mlp(torch.cat(xs[l]), multi_hot(torch.cat(ys[l]), num_experts), hidden=hidden,
+                                     epochs=epochs, seed=seed + l) for l in xs}
+
+
 def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int, top_k: int, *,
-                  lookahead: LookaheadPredictor | None = None, alpha: float = 0.5, steps: int = 200) -> dict:
-    """Fit the per-layer log-linear weights of `MarkovPredictor` and `HybridPredictor` on calibration traces.
+                  lookahead: LookaheadPredictor | None = None, pre_attention: PreAttentionPredictor | None = None,
+                  alpha: float = 0.5, steps: int = 200) -> dict:
+    """Fit the per-layer log-linear weights of `MarkovPredictor` and the hybrids on calibration traces.
 
     Features are computed block-prequentially: each sequence is scored with the counts of the sequences before
     it only (starting from zero counts), so a token never informs its own prediction and the fit sees the
@@ -94,12 +120,16 @@ def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int,
 
     Args:
         traces: calibration sequences (training text, never the evaluation text); hidden states are needed for
-            the hybrid's lookahead term (without them, or without `lookahead`, only "markov" is fitted).
+            the hybrids' hidden-state term: "hybrid" with `lookahead`, "pre_attention_hybrid" with
+            `pre_attention` (without hidden states, or without either source, only "markov" is fitted).
     Returns:
-        {"markov": `[L][2]` floats, "hybrid": `[L][3]` floats (when fitted)}; dense layers keep the defaults.
+        {"markov": `[L][2]` floats, "hybrid" / "pre_attention_hybrid": `[L][3]` floats (when fitted)}; dense
+        layers keep the defaults.
     """
     m = MarkovPredictor(num_layers, num_experts, top_k, alpha=alpha, prior_tokens=None)
+    sources = {n: p for n, p in (("hybrid", lookahead), ("pre_attention_hybrid", pre_attention)) if p is not None}
     feats: dict[int, list] = {}  # layer -> [(logf [E], g [T, F, E], multi-hot truth [T, E])]
+    fitted = set(sources) if all(tr.hidden is not None for tr in traces) else set()
     for tr in traces:
         moe = [l for l in range(num_layers) if bool((tr.ids[:, l] >= 0).any())]
         T = tr.ids.shape[0]
@@ -108,32 +138,36 @@ def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int,
             prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
             logf, g = m.features(l, tr.ids[:, pl], prev_tok, T)
             cols = [g[0], g[1]]
-            if lookahead is not None and tr.hidden is not None and lookahead.gate[l] is not None:
-                cols.append(lookahead.log_probs(l, tr.hidden[:, pl]))
+            for n, src in sources.items():  # one column per hidden-state source (zeros where it has none)
+                has = tr.hidden is not None and src.gate[l] is not None
+                cols.append(src.log_probs(l, tr.hidden[:, pl]) if has else torch.zeros_like(g[0]))
+                if not has:
+                    fitted.discard(n)
             feats.setdefault(l, []).append((logf, torch.stack(cols, 1), multi_hot(tr.ids[:, l], num_experts).float()))
         for i, l in enumerate(moe):
             prev_tok = torch.cat([torch.full_like(tr.ids[:1, l], -1), tr.ids[:-1, l]])
             m.observe(l, tr.ids[:, l], tr.ids[:, moe[i - 1]] if i else None, prev_tok)
     out = {"markov": [list(DEFAULT_WEIGHTS["markov"]) for _ in range(num_layers)]}
-    hybrid = all(f[1].shape[1] == 3 for v in feats.values() for f in v) and bool(feats)
-    if hybrid:
-        out["hybrid"] = [list(DEFAULT_WEIGHTS["hybrid"]) for _ in range(num_layers)]
+    cols_of = {"markov": [0, 1]}
+    for j, n in enumerate(sources):
+        if n in fitted and feats:
+            out[n] = [list(DEFAULT_WEIGHTS[n]) for _ in range(num_layers)]
+            cols_of[n] = [0, 1, 2 + j]
     for l, rows in feats.items():
         logf = torch.cat([r[0].expand(r[1].shape[0], -1) for r in rows])  # [N, E]
         g = torch.cat([r[1] for r in rows])  # [N, F, E]
         y = torch.cat([r[2] for r in rows])  # [N, E]
-        for name, nf in (("markov", 2), ("hybrid", 3)):
-            if name not in out:
-                continue
+        pairs = y.unsqueeze(2) * (1 - y).unsqueeze(1)  # [N, E, E]: (used, unused) pairs
+        for name, cols in cols_of.items():
             w = torch.tensor(DEFAULT_WEIGHTS[name], requires_grad=True)
             opt = torch.optim.Adam([w], lr=0.05)
+            gf = g[:, cols]
             for _ in range(steps):
                 opt.zero_grad()
-                s = logf + torch.einsum("f,nfe->ne", w, g[:, :nf])
+                s = logf + torch.einsum("f,nfe->ne", w, gf)
                 # Pairwise ranking loss (used expert above unused one): prefetch keeps the top k + 1, so the
                 # ranking matters, not calibrated probabilities (a likelihood fit damps the sharp lookahead).
                 margin = s.unsqueeze(2) - s.unsqueeze(1)  # [N, E, E]: s(used) - s(other)
-                pairs = y.unsqueeze(2) * (1 - y).unsqueeze(1)
                 loss = (F.softplus(-margin) * pairs).sum() / pairs.sum()
                 loss.backward()
                 opt.step()
