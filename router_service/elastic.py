@@ -1,0 +1,62 @@
+"""The router's side of elastic EP: one rank lost, the survivors go on serving (redundant experts only).
+
+With `ClusterConfig.redundant_experts` every routed expert lives on >= 2 ranks, so when one rank's channel reports
+it dead or failed, the router (1) ends that rank's in-flight requests with a retriable error (HTTP 503 +
+Retry-After / gRPC UNAVAILABLE), (2) refuses new requests with a retriable error for the short regroup, (3) has
+the launcher form a new group over the survivors (`EPCluster.shrink`: no actor restarted, the survivors' sequences
+and KV caches kept), (4) renumbers the survivors' streams, load accounting and channels, and serves again. The
+survivors' streams stall for the regroup and lose no token. When the regroup fails, or a second failure arrives
+meanwhile, the router falls back to the whole-group rebuild (`router_service.router`).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger("moeray.router")
+
+
+def try_shrink(router, gen: int, rank: int, reason: str, detail: str) -> bool:
+    """First report of rank `rank`'s loss in generation `gen`: start the elastic path and return True, or return
+    False when it does not apply (no redundant experts, one rank left, a regroup already under way: the caller
+    rebuilds the whole group). A stale report (older generation, router closed) returns True: nothing to do."""
+    with router._lock:
+        if gen != router._gen or router._closed:
+            return True
+        if not (router.cfg.redundant_experts and router.cluster is not None and len(router.cluster.ranks) >= 2
+                and router._recovering is None):
+            return False
+        router._recovering = f"{reason}; the surviving ranks are forming a new group"
+        router._recovering_since = t0 = time.monotonic()
+    log.error("%s: failing its requests, the survivors regroup (%s)", reason, detail or reason)
+    router._channels.drop(rank)
+    n = router._fail_rank(rank, f"{reason}; its requests end, the other ranks go on serving: retry the request")
+    threading.Thread(target=_shrink, args=(router, gen, rank, reason, n, t0), daemon=True,
+                     name="ep-shrink").start()
+    return True
+
+
+def _shrink(router, gen: int, rank: int, reason: str, failed: int, t0: float) -> None:
+    try:
+        info = router.cluster.shrink(rank)
+    except Exception as e:  # noqa: BLE001 - the survivors could not regroup: rebuild the whole group
+        log.error("elastic regroup after %s failed (%s: %s): rebuilding the whole group", reason, type(e).__name__, e)
+        with router._lock:
+            if gen != router._gen:
+                return
+            router._recovering = None
+        router._on_rank_failure(gen, f"{reason}; the surviving ranks could not regroup", f"{type(e).__name__}: {e}")
+        return
+    with router._lock:
+        if gen != router._gen or router._closed:  # a whole-group rebuild took over meanwhile
+            return
+        for s in router._streams.values():
+            if s.rank > rank:
+                s.rank -= 1
+        router._ranks.drop(rank)
+        router._recovering = None
+        router.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": 1, "elastic": True,
+                                  "down_s": time.monotonic() - t0, "generation": router.cluster.generation,
+                                  "world_size": info["world_size"], "regroup_s": info["regroup_s"]})
+    log.warning("serving again on %d ranks after %.2f s (elastic)", info["world_size"], time.monotonic() - t0)
