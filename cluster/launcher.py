@@ -163,6 +163,9 @@ class EPCluster:
                                          cfg.transport, timeout_s) for i, r in enumerate(survivors)],
                        timeout=timeout_s + 5)
         self.ranks, self.placement = survivors, new
+        # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now
+        self._load_snaps.clear()
+        self.stats()
         self.info = [{**info, "rank": d["rank"]} for info, d in zip(
             [x for i, x in enumerate(self.info) if i != dead], done)]
         out = {"dead": dead, "world_size": W, "generation": self.generation, "shrink_s": time.perf_counter() - t0,

@@ -30,7 +30,6 @@ def try_shrink(router, gen: int, rank: int, reason: str, detail: str) -> bool:
         router._recovering = f"{reason}; the surviving ranks are forming a new group"
         router._recovering_since = t0 = time.monotonic()
     log.error("%s: failing its requests, the survivors regroup (%s)", reason, detail or reason)
-    router._channels.drop(rank)
     n = router._fail_rank(rank, f"{reason}; its requests end, the other ranks go on serving: retry the request")
     threading.Thread(target=_shrink, args=(router, gen, rank, reason, n, t0), daemon=True,
                      name="ep-shrink").start()
@@ -55,6 +54,9 @@ def _shrink(router, gen: int, rank: int, reason: str, failed: int, t0: float) ->
             if s.rank > rank:
                 s.rank -= 1
         router._ranks.drop(rank)
+        # only now: until the survivors are renumbered the channels keep the old indices (the lost rank's
+        # connection is gone, so control frames take the actor calls meanwhile)
+        router._channels.drop(rank)
         router._recovering = None
         router.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": 1, "elastic": True,
                                   "down_s": time.monotonic() - t0, "generation": router.cluster.generation,
