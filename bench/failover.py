@@ -86,8 +86,8 @@ def trial(llm, victim: int, streams: int, timeout_s: float = 180.0) -> dict:
             "leaked": leaked, "hung": hung}
 
 
-def elastic_trial(model: str, ranks: int, n: int = 200, timeout_s: float = 120.0) -> dict:
-    """One SIGKILLed rank under `--redundant-experts` (see the module docstring)."""
+def elastic_trial(model: str, ranks: int, n: int = 200, timeout_s: float = 120.0, victim: int | None = None) -> dict:
+    """One SIGKILLed rank (`victim`, default the last) under `--redundant-experts` (see the module docstring)."""
     import signal
 
     from actors.engine.sampling import SamplingParams
@@ -102,7 +102,7 @@ def elastic_trial(model: str, ranks: int, n: int = 200, timeout_s: float = 120.0
         ss = [router.submit(p, sp) for p in prompts]
         for s in ss:
             s.get(timeout=timeout_s)  # every stream is decoding
-        victim = ranks - 1
+        victim = ranks - 1 if victim is None else victim
         pid = router.cluster.info[victim]["pid"]
         t_kill = time.perf_counter()
         os.kill(pid, signal.SIGKILL)
