@@ -46,6 +46,7 @@ class EPCluster:
             raise TimeoutError(f"placement group of {cfg.ranks} x {bundle} not schedulable within {timeout_s}s "
                                f"(cluster resources: {ray.cluster_resources()})")
         self.ranks: list = []
+        self.slots: list[int] = []  # each rank's placement-group bundle (= its rank in the whole group)
         self.generation = 0
         self._spawn(timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
@@ -72,6 +73,7 @@ class EPCluster:
         process group (a fresh rendezvous store, on a port rank 0 holds from the bind on, each time)."""
         cfg = self.cfg
         actor_cls = ray.remote(RankWorker)
+        self.slots = list(range(cfg.ranks))
         self.ranks = [
             actor_cls.options(
                 num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
@@ -149,6 +151,7 @@ class EPCluster:
         if not self.cfg.redundant_experts:
             raise ValueError("shrink needs redundant experts (ClusterConfig.redundant_experts)")
         new = shrink_placement(self.placement, dead, dense_layers=self._dense)
+        self._whole_placement = self.placement  # what a replacement rank joins back (`prepare_grow`)
         try:
             ray.kill(self.ranks[dead], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
@@ -163,6 +166,7 @@ class EPCluster:
                                          cfg.transport, timeout_s) for i, r in enumerate(survivors)],
                        timeout=timeout_s + 5)
         self.ranks, self.placement = survivors, new
+        del self.slots[dead]
         # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now
         self._load_snaps.clear()
         self.stats()
@@ -172,6 +176,54 @@ class EPCluster:
                "regroup_s": max(d["regroup_s"] for d in done)}
         log.warning("rank %d lost: %d survivors regrouped (generation %d) in %.2f s", dead, W, self.generation,
                     out["shrink_s"])
+        return out
+
+    def prepare_grow(self, timeout_s: float = 120.0):
+        """Elastic EP, after a `shrink`: start a replacement rank in the lost rank's bundle and read its experts
+        (the whole group's placement) while the others keep serving. Returns the handle for `finish_grow`.
+        Raises ValueError unless exactly one rank of the whole group is missing."""
+        lost = [b for b in range(self.cfg.ranks) if b not in self.slots]
+        if len(lost) != 1:
+            raise ValueError(f"grow needs exactly one missing rank, missing: {lost}")
+        cfg, b = self.cfg, lost[0]
+        actor = ray.remote(RankWorker).options(
+            num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b),
+        ).remote(b, cfg.ranks, cfg.engine_config(), self._whole_placement.to_dict(), cfg.num_threads_per_rank, True)
+        t0 = time.perf_counter()
+        try:
+            info = ray.get(actor.prepare_join.remote(), timeout=timeout_s)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        return {"slot": b, "actor": actor, "info": info, "prepare_s": time.perf_counter() - t0}
+
+    def finish_grow(self, prepared: dict, timeout_s: float = 30.0) -> dict:
+        """Switch to the whole group between steps: the survivors `regroup` back to their ranks of the whole group
+        (same experts, same local rows), the replacement `join`s, all under a new store prefix. Returns {rank
+        (the replacement's), world_size, generation, prepare_s, switch_s}. Raises what the calls raise (the
+        caller rebuilds the group)."""
+        t0 = time.perf_counter()
+        b, actor, cfg = prepared["slot"], prepared["actor"], self.cfg
+        slots = sorted(self.slots + [b])
+        ranks = [actor if s == b else self.ranks[self.slots.index(s)] for s in slots]
+        addr, port = ray.get(ranks[0].open_regroup_store.remote(), timeout=timeout_s)
+        self.generation += 1
+        prefix, full = f"moeray/elastic/{self.generation}", self._whole_placement
+        calls = [actor.join.remote(addr, port, prefix, cfg.backend, cfg.pg_timeout_s, cfg.transport) if s == b else
+                 r.regroup.remote(i, len(slots), addr, port, full.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
+                                  cfg.transport, timeout_s) for i, (s, r) in enumerate(zip(slots, ranks))]
+        ray.get(calls, timeout=timeout_s + 5)
+        info = {s: x for s, x in zip(self.slots, self.info)}
+        info[b] = prepared["info"]
+        self.ranks, self.slots, self.placement = ranks, slots, full
+        self.info = [{**info[s], "rank": i} for i, s in enumerate(slots)]
+        self._load_snaps.clear()
+        self.stats()
+        out = {"rank": b, "world_size": len(slots), "generation": self.generation,
+               "prepare_s": prepared["prepare_s"], "switch_s": time.perf_counter() - t0}
+        log.warning("replacement rank %d joined (generation %d): read its experts in %.2f s, switched in %.2f s",
+                    b, self.generation, out["prepare_s"], out["switch_s"])
         return out
 
     def stats(self) -> dict:

@@ -62,3 +62,50 @@ def _shrink(router, gen: int, rank: int, reason: str, failed: int, t0: float) ->
                                   "down_s": time.monotonic() - t0, "generation": router.cluster.generation,
                                   "world_size": info["world_size"], "regroup_s": info["regroup_s"]})
     log.warning("serving again on %d ranks after %.2f s (elastic)", info["world_size"], time.monotonic() - t0)
+    rejoin(router, gen)
+
+
+def rejoin(router, gen: int) -> dict | None:
+    """A replacement for the lost rank: started and loaded while the survivors serve (`EPCluster.prepare_grow`),
+    then switched in between steps (`finish_grow`: new requests refused with a retriable error meanwhile), the
+    streams, load accounting and channels renumbered. Returns the launcher's report (+ `rejoin_s`, seconds from
+    the start to serving on the whole group), or None when it could not (logged; the smaller group keeps serving,
+    or a failed switch rebuilds the whole group)."""
+    t0 = time.monotonic()
+    try:
+        prepared = router.cluster.prepare_grow()
+    except Exception as e:  # noqa: BLE001 - no replacement now: the survivors go on alone
+        log.error("no replacement rank (%s: %s): serving on %d ranks", type(e).__name__, e, len(router.cluster.ranks))
+        return None
+    with router._lock:
+        if gen != router._gen or router._closed or router._recovering is not None:
+            import ray
+
+            ray.kill(prepared["actor"], no_restart=True)
+            return None
+        router._recovering = "a replacement rank is joining the EP group"
+        router._recovering_since = time.monotonic()
+    try:
+        info = router.cluster.finish_grow(prepared)
+    except Exception as e:  # noqa: BLE001 - the group is in an unknown state: rebuild it whole
+        with router._lock:
+            router._recovering = None
+        router._on_rank_failure(gen, "a replacement rank could not join", f"{type(e).__name__}: {e}")
+        return None
+    with router._lock:
+        if gen != router._gen or router._closed:
+            return None
+        b = info["rank"]
+        for s in router._streams.values():
+            if s.rank >= b:
+                s.rank += 1
+        router._ranks.insert(b)
+        router._channels.add(b, router.cluster.ranks[b])
+        router._recovering = None
+        info["rejoin_s"] = time.monotonic() - t0
+        router.rejoins.append(info)
+        seq = next(router._seq)
+    router._wake_others(None, seq)  # the new rank has seen no wake yet: all agree on this one
+    log.warning("serving on the whole group again (%d ranks), %.2f s after the replacement started",
+                info["world_size"], info["rejoin_s"])
+    return info

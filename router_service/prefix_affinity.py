@@ -95,6 +95,10 @@ class PrefixIndex:
         """Forget rank `rank` (it left the group); the ranks above it move down one index."""
         del self._lru[rank]
 
+    def insert_rank(self, rank: int) -> None:
+        """A new, empty rank at index `rank`; the ranks from it move up one index."""
+        self._lru.insert(rank, OrderedDict())
+
 
 def choose_rank(costs: list[int], requests: list[int], matched_tokens: list[int], prompt_tokens: int,
                 imbalanced_threshold: float, match_rate_threshold: float) -> tuple[int, bool]:
@@ -188,6 +192,14 @@ class RankChooser:
         self.ranks -= 1
         if self.index is not None:
             self.index.drop(rank)
+
+    def insert(self, rank: int) -> None:
+        """A replacement rank joined as `rank` (elastic EP): no load, an empty index; the ranks from it move up."""
+        self.costs.insert(rank, 0)
+        self.requests.insert(rank, 0)
+        self.ranks += 1
+        if self.index is not None:
+            self.index.insert_rank(rank)
 
     def reset(self, capacity_blocks: int | None = None) -> None:
         """A new EP group (all its ranks): no load, an empty index (optionally a new capacity per rank)."""

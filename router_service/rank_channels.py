@@ -71,8 +71,8 @@ class RankChannels:
         self._conns: dict[int, socket.socket] = {}  # by slot
         self._send_lock = threading.Lock()  # a seq is drawn and written to every rank under it
         self._closed = False
-        self._threads = [threading.Thread(target=self._poll, args=(i,), daemon=True, name=f"poll-rank{i}")
-                         for i in range(len(ranks))]
+        self._threads = [threading.Thread(target=self._poll, args=(i, r), daemon=True, name=f"poll-rank{i}")
+                         for i, r in enumerate(self.ranks)]
         for t in self._threads:
             t.start()
 
@@ -93,6 +93,18 @@ class RankChannels:
                 conn.close()
             except OSError:
                 pass
+
+    def add(self, rank: int, actor) -> None:
+        """A replacement rank joined as index `rank` (elastic EP): the ranks from `rank` up move up one index; its
+        poller connects in the background (until then `post` returns False: the caller takes the actor calls)."""
+        with self._lock:
+            slot = len(self._threads)
+            self._slots.insert(rank, slot)
+            self.ranks.insert(rank, actor)
+            actors = dict(zip(self._slots, self.ranks))
+            t = threading.Thread(target=self._poll, args=(slot, actors[slot]), daemon=True, name=f"poll-rank{rank}")
+            self._threads.append(t)
+        t.start()
 
     def _live(self) -> list[socket.socket] | None:
         """Every live rank's connection in index order, or None while one is not up (or closed)."""
@@ -133,10 +145,10 @@ class RankChannels:
                 conn.sendall(encode_control(WAKE, seq))
         return True
 
-    def _poll(self, rank: int) -> None:
+    def _poll(self, rank: int, actor) -> None:
         """Connect to rank `rank`'s channel and read it until `close`; a dead or failed rank is reported. Silence
-        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives."""
-        actor = self.ranks[rank]
+        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives. `rank`: the
+        poller's slot (its index when it started)."""
         conn = None
         try:
             host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)

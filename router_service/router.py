@@ -78,6 +78,7 @@ class Router:
         self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
         self._recovering_since = 0.0  # time.monotonic() when it started
         self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
+        self.rejoins: list[dict] = []  # elastic EP: one entry per replacement rank switched in
         self._draining = False  # set by drain(): new requests are refused, running ones may finish
         self._channels: RankChannels | None = None
         self._start_error: str | None = None  # a background build that cannot succeed (bad configuration)

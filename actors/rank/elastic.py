@@ -119,3 +119,27 @@ class ElasticRank:
         self.engine.regroup(placement, rank, self.group, self.shm)
         self.placement = placement
 
+
+    # ------------------------------------------------------------------ a replacement rank
+    def prepare_join(self) -> dict:
+        """A replacement rank, before it joins a running group: build the engine (weights read, KV cache
+        allocated) with no process group yet, while the others keep serving. Returns {rank, pid, kv_blocks,
+        expert_bytes}."""
+        from actors.engine.engine import RankEngine
+
+        self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, None, shm=None)
+        return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
+                "expert_bytes": self.expert_bytes()}
+
+    def join(self, addr: str, port: int, prefix: str, backend: str = "gloo", timeout_s: float = 10.0,
+             transport: str = "auto") -> dict:
+        """A prepared replacement rank joins the group the others form by `regroup` (store at addr:port under
+        `prefix`; this rank hosts it when it is rank 0, after `open_regroup_store`), then starts its step thread.
+        Returns {rank, world_size, pid}. Raises RuntimeError before `prepare_join`."""
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank}: join before prepare_join")
+        base = self._store if self.rank == 0 else join_store(addr, port, self.world_size, max(120.0, timeout_s))
+        self._join_group(dist.PrefixStore(prefix, base), backend, timeout_s, transport)
+        self.engine.regroup(self.placement, self.rank, self.group, self.shm)
+        self._start_loop()
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid()}

@@ -58,7 +58,8 @@ class LockstepLoop:
                 return self._close_group()
             except Exception as e:  # noqa: BLE001 - a dead peer or a bug
                 pending, self._inflight = self._inflight, None
-                if not (self.elastic and self.world_size > 1 and self._await_regroup(e)):
+                # a lost peer (world > 1) or a replacement joining (an order, even alone): the new group
+                if not (self.elastic and (self.world_size > 1 or isinstance(e, RegroupNow)) and self._await_regroup(e)):
                     return self._fail(e)
 
     def _fail(self, e: Exception) -> None:

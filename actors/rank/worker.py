@@ -116,14 +116,17 @@ class RankWorker(ElasticRank, LockstepLoop):
             store = self._store or join_store(master_addr, master_port, self.world_size, max(120.0, timeout_s))
             self._join_group(store, backend, timeout_s, transport)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
-        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
-        self._thread.start()
+        self._start_loop()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
                 "expert_bytes": self.expert_bytes(),
                 # None on GPU ranks (the kernels are the CPU path only)
                 "cpu_kernels": cpu_kernels_available() if self.engine.device.type == "cpu" else None,
                 "transport": (("tcp+" if isinstance(self.shm, TcpAllToAll) else "shm+") + backend if self.shm is not None
                               else backend if self.world_size > 1 else "none")}
+
+    def _start_loop(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
+        self._thread.start()
 
     def _join_group(self, store, backend: str, timeout_s: float, transport: str) -> None:
         """Init the process group over `store` as (self.rank, self.world_size) and open the step transport."""
