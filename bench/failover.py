@@ -15,16 +15,18 @@ Elastic case (`--redundant-experts`, one trial on a fresh group of `--ranks` ran
 run, one rank's process is SIGKILLed; its streams must end with a retriable error, every other stream must
 complete with the tokens of an undisturbed run of the same prompts. survivor_stall_s: seconds from the SIGKILL to
 the survivors' next token (the slowest survivor stream); survivor_lost: survivor streams that did not complete
-with those tokens; hung: requests of either case not finished within the trial's timeout.
+with those tokens; elastic_rejoin_s: seconds from the SIGKILL until a replacement rank (started in the
+background, experts read while the survivors serve) has joined and the whole group serves; hung: requests of
+either case not finished within the trial's timeout.
 
     python bench/failover.py            # 4 trials
     python bench/failover.py --quick    # 2 trials
 
 Last line: RESULT fail_s_max=<x> serve_s_max=<x> serve_s_mean=<x> rebuild_s_mean=<x> lost=<n>
 leaked_blocks=<n> survivor_stall_s=<x> survivor_lost=<n> elastic_rejoin_s=<x> node_loss_serving_s=<x> hung=<n>
-(`lost`: in-flight requests that did not end with an error, or a new request not served; a value of -1 means not
-measured: elastic_rejoin_s (a replacement rank joining back is not built yet) and node_loss_serving_s (the
-two-node setup is `bench/two_nodes.py`'s, not run here)).
+(`lost`: in-flight requests that did not end with an error, or a new request not served; -1 means not measured:
+node_loss_serving_s always (the two-node setup is `bench/two_nodes.py`'s, not run here), the elastic keys with
+--no-elastic or --ranks 1).
 """
 from __future__ import annotations
 
@@ -124,11 +126,16 @@ def elastic_trial(model: str, ranks: int, n: int = 200, timeout_s: float = 120.0
             if after:
                 stalls.append(after[0] - (t_kill - s.t0))
         rec = router.recoveries[-1] if router.recoveries else {}
+        deadline = time.monotonic() + timeout_s  # the replacement rank: started, loaded, switched in
+        while not router.rejoins and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rejoin_s = time.perf_counter() - t_kill if router.rejoins else -1.0
+        switch_s = router.rejoins[-1]["switch_s"] if router.rejoins else -1.0
         st = router.stats()
         leaked = st["kv_blocks_total"] - st["kv_blocks_free"] if st["in_flight"] == 0 else -1
         return {"stall_s": max(stalls) if stalls else -1.0, "lost": lost, "hung": hung,
                 "victim_errors": victim_ok, "elastic": bool(rec.get("elastic")), "down_s": rec.get("down_s", float("nan")),
-                "leaked": leaked, "survivor_streams": len(stalls)}
+                "leaked": leaked, "survivor_streams": len(stalls), "rejoin_s": rejoin_s, "switch_s": switch_s}
     finally:
         llm.shutdown()
 
@@ -167,7 +174,8 @@ def main() -> None:
             print(f"elastic: killed rank {args.ranks - 1} (SIGKILL): survivors' stall {el['stall_s']:.3f} s over "
                   f"{el['survivor_streams']} streams, survivor streams lost {el['lost']}, victim streams ended with a "
                   f"retriable error {el['victim_errors']}, elastic path {el['elastic']}, refusing new requests for "
-                  f"{el['down_s']:.3f} s, hung {el['hung']}, leaked blocks {el['leaked']}", flush=True)
+                  f"{el['down_s']:.3f} s, hung {el['hung']}, leaked blocks {el['leaked']}; replacement rank serving "
+                  f"{el['rejoin_s']:.2f} s after the kill (switch-in {el['switch_s']:.3f} s)", flush=True)
     finally:
         ray.shutdown()
 
@@ -184,7 +192,7 @@ def main() -> None:
           f"rebuild_s_mean={statistics.mean(rebuild):.3f} lost={sum(r['lost'] for r in rows)} "
           f"leaked_blocks={sum(r['leaked'] for r in rows)} "
           f"survivor_stall_s={el['stall_s'] if el else -1:.3f} survivor_lost={el['lost'] if el else -1} "
-          f"elastic_rejoin_s=-1 node_loss_serving_s=-1 hung={sum(r['hung'] for r in rows) + (el['hung'] if el else 0)}")
+          f"elastic_rejoin_s={el['rejoin_s'] if el else -1:.3f} node_loss_serving_s=-1 hung={sum(r['hung'] for r in rows) + (el['hung'] if el else 0)}")
 
 
 if __name__ == "__main__":
