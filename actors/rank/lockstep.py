@@ -26,6 +26,11 @@ rank `prepare_placement(placement, epoch)` (weights read off the step thread), t
 on every rank. A fourth flag carries `-committed_epoch`, so MAX gives minus the smallest epoch committed on
 all ranks; when that exceeds the applied epoch, every rank applies it in the same round, before the step.
 Sequences and KV caches are untouched, so requests in flight just continue under the new placement.
+
+Elastic EP (redundant experts, `actors.rank.elastic`): an error in a round does not fail an elastic rank at once;
+it waits for the survivors' new group and re-runs the interrupted step there (the plan is kept; `RankEngine.run`
+changes no sequence before its forward returns, so the re-run writes the same K/V and samples the same token).
+A regroup order to a rank with no error (idle, or a replacement joining) is taken at the top of its next round.
 """
 from __future__ import annotations
 
