@@ -11,11 +11,22 @@ On the shipped model served by `--ranks` Ray ranks (default 2), each trial:
 The rebuild time is dominated by starting the new actor processes (Python, torch import, weight load); it
 grows with machine load, so run this alone.
 
+Elastic case (`--redundant-experts`, one trial on a fresh group of `--ranks` ranks): 2 greedy streams per rank
+run, one rank's process is SIGKILLed; its streams must end with a retriable error, every other stream must
+complete with the tokens of an undisturbed run of the same prompts. survivor_stall_s: seconds from the SIGKILL to
+the survivors' next token (the slowest survivor stream); survivor_lost: survivor streams that did not complete
+with those tokens; elastic_rejoin_s: seconds from the SIGKILL until a replacement rank (started in the
+background, experts read while the survivors serve) has joined and the whole group serves; hung: requests of
+either case not finished within the trial's timeout.
+
     python bench/failover.py            # 4 trials
     python bench/failover.py --quick    # 2 trials
 
 Last line: RESULT fail_s_max=<x> serve_s_max=<x> serve_s_mean=<x> rebuild_s_mean=<x> lost=<n>
-leaked_blocks=<n> (`lost`: in-flight requests that did not end with an error, or a new request not served).
+leaked_blocks=<n> survivor_stall_s=<x> survivor_lost=<n> elastic_rejoin_s=<x> node_loss_serving_s=<x> hung=<n>
+(`lost`: in-flight requests that did not end with an error, or a new request not served; -1 means not measured:
+node_loss_serving_s always (the two-node setup is `bench/two_nodes.py`'s, not run here), the elastic keys with
+--no-elastic or --ranks 1).
 """
 from __future__ import annotations
 
@@ -43,13 +54,14 @@ def trial(llm, victim: int, streams: int, timeout_s: float = 180.0) -> dict:
     n_rec = len(router.recoveries)
     t0 = time.monotonic()
     ray.kill(router.cluster.ranks[victim], no_restart=True)
-    lost = 0
+    lost = hung = 0
     for s in ss:
         try:
             out = s.result(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
             lost += out.finish_reason != "error"
         except TimeoutError:
             lost += 1
+            hung += 1
     fail_s = time.monotonic() - t0
     serve_s = None
     probe = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -73,7 +85,59 @@ def trial(llm, victim: int, streams: int, timeout_s: float = 180.0) -> dict:
         time.sleep(0.1)
     rebuild_s = router.recoveries[-1]["down_s"] if len(router.recoveries) > n_rec else float("nan")
     return {"victim": victim, "fail_s": fail_s, "serve_s": serve_s, "rebuild_s": rebuild_s, "lost": lost,
-            "leaked": leaked}
+            "leaked": leaked, "hung": hung}
+
+
+def elastic_trial(model: str, ranks: int, n: int = 200, timeout_s: float = 120.0, victim: int | None = None) -> dict:
+    """One SIGKILLed rank (`victim`, default the last) under `--redundant-experts` (see the module docstring)."""
+    import signal
+
+    from actors.engine.sampling import SamplingParams
+    from moeray.api import LLM
+
+    llm = LLM(model=model, ranks=ranks, redundant_experts=True)
+    try:
+        router = llm.router
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        prompts = [f"Prompt {i}: the history of the river and the town" for i in range(2 * ranks)]
+        ref = [o.token_ids for o in router.generate(prompts, sp)]
+        ss = [router.submit(p, sp) for p in prompts]
+        for s in ss:
+            s.get(timeout=timeout_s)  # every stream is decoding
+        victim = ranks - 1 if victim is None else victim
+        pid = router.cluster.info[victim]["pid"]
+        t_kill = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        hung = lost = victim_ok = 0
+        stalls = []
+        for i, s in enumerate(ss):
+            try:
+                out = s.result(timeout=timeout_s)
+            except TimeoutError:
+                hung += 1
+                continue
+            if s.rank == victim and out.finish_reason == "error":  # its stream ended retriably (s.rank: at submit)
+                victim_ok += 1
+                continue
+            if out.finish_reason != "length" or out.token_ids != ref[i]:
+                lost += 1
+                continue
+            after = [t for t in out.token_times if t > t_kill - s.t0]
+            if after:
+                stalls.append(after[0] - (t_kill - s.t0))
+        rec = router.recoveries[-1] if router.recoveries else {}
+        deadline = time.monotonic() + timeout_s  # the replacement rank: started, loaded, switched in
+        while not router.rejoins and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rejoin_s = time.perf_counter() - t_kill if router.rejoins else -1.0
+        switch_s = router.rejoins[-1]["switch_s"] if router.rejoins else -1.0
+        st = router.stats()
+        leaked = st["kv_blocks_total"] - st["kv_blocks_free"] if st["in_flight"] == 0 else -1
+        return {"stall_s": max(stalls) if stalls else -1.0, "lost": lost, "hung": hung,
+                "victim_errors": victim_ok, "elastic": bool(rec.get("elastic")), "down_s": rec.get("down_s", float("nan")),
+                "leaked": leaked, "survivor_streams": len(stalls), "rejoin_s": rejoin_s, "switch_s": switch_s}
+    finally:
+        llm.shutdown()
 
 
 def main() -> None:
@@ -83,6 +147,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=None, help="default 4 (2 with --quick)")
     ap.add_argument("--streams", type=int, default=4, help="in-flight generations when the rank is killed")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-elastic", action="store_true", help="skip the elastic (--redundant-experts) case")
     args = ap.parse_args()
     trials = args.trials or (2 if args.quick else 4)
 
@@ -102,6 +167,16 @@ def main() -> None:
                   f"{r['leaked']}", flush=True)
     finally:
         llm.shutdown()
+    el = None
+    try:
+        if not args.no_elastic and args.ranks >= 2:
+            el = elastic_trial(args.model, args.ranks)
+            print(f"elastic: killed rank {args.ranks - 1} (SIGKILL): survivors' stall {el['stall_s']:.3f} s over "
+                  f"{el['survivor_streams']} streams, survivor streams lost {el['lost']}, victim streams ended with a "
+                  f"retriable error {el['victim_errors']}, elastic path {el['elastic']}, refusing new requests for "
+                  f"{el['down_s']:.3f} s, hung {el['hung']}, leaked blocks {el['leaked']}; replacement rank serving "
+                  f"{el['rejoin_s']:.2f} s after the kill (switch-in {el['switch_s']:.3f} s)", flush=True)
+    finally:
         ray.shutdown()
 
     print()
@@ -115,7 +190,9 @@ def main() -> None:
     rebuild = [r["rebuild_s"] for r in rows]
     print(f"RESULT fail_s_max={max(fail):.3f} serve_s_max={max(serve):.3f} serve_s_mean={statistics.mean(serve):.3f} "
           f"rebuild_s_mean={statistics.mean(rebuild):.3f} lost={sum(r['lost'] for r in rows)} "
-          f"leaked_blocks={sum(r['leaked'] for r in rows)}")
+          f"leaked_blocks={sum(r['leaked'] for r in rows)} "
+          f"survivor_stall_s={el['stall_s'] if el else -1:.3f} survivor_lost={el['lost'] if el else -1} "
+          f"elastic_rejoin_s={el['rejoin_s'] if el else -1:.3f} node_loss_serving_s=-1 hung={sum(r['hung'] for r in rows) + (el['hung'] if el else 0)}")
 
 
 if __name__ == "__main__":

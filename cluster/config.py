@@ -40,6 +40,9 @@ class ClusterConfig:
     num_threads_per_rank: int = 1
     pg_timeout_s: float = 10.0
     placement_strategy: str = "PACK"
+    # every routed expert on two ranks (`cluster.placement.redundant_placement`): the loss of one rank leaves the
+    # survivors serving (elastic EP, `EPCluster.shrink`) instead of a whole-group rebuild; costs expert memory
+    redundant_experts: bool = False
     # "auto": on CPU (gloo) with every rank on one node, the decode step's small all-to-alls (step agreement,
     # fixed-capacity dispatch) go through shared memory (`actors.rank.shm_collective`); "torch": all via gloo/NCCL
     transport: str = "auto"
@@ -60,6 +63,8 @@ class ClusterConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ValueError(f"placement_strategy={self.placement_strategy!r} must be one of "
                              f"{', '.join(PLACEMENT_STRATEGIES)}")
+        if self.redundant_experts and self.ranks < 2:
+            raise ValueError(f"redundant_experts needs ranks >= 2 (every expert on two ranks), got ranks={self.ranks}")
         if self.transport not in ("auto", "torch"):
             raise ValueError(f"transport={self.transport!r} must be auto or torch")
         check_prefix_routing(self.prefix_routing_imbalanced_threshold, self.prefix_routing_match_rate_threshold)

@@ -14,7 +14,8 @@ from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
 from cluster.metrics import aggregate_stats
-from cluster.placement import contiguous_placement, eplb_placement, expected_rank_load
+from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
+                               shrink_placement)
 
 log = logging.getLogger("moeray.cluster")
 
@@ -31,7 +32,10 @@ class EPCluster:
         self.cfg = cfg
         mc = ModelConfig.from_pretrained(cfg.model)
         self.model_config = mc
-        self.placement = contiguous_placement(mc.num_layers, mc.num_experts, cfg.ranks)
+        self._dense = [l for l in range(mc.num_layers) if not mc.moe_layers[l]]
+        self.placement = (redundant_placement(mc.num_layers, mc.num_experts, cfg.ranks, dense_layers=self._dense)
+                          if cfg.redundant_experts else contiguous_placement(mc.num_layers, mc.num_experts, cfg.ranks))
+        self._initial_placement = self.placement  # what a whole-group rebuild (`restart`) starts from
         bundle = {"CPU": cfg.num_cpus_per_rank}
         if cfg.num_gpus_per_rank:
             bundle["GPU"] = cfg.num_gpus_per_rank
@@ -42,6 +46,7 @@ class EPCluster:
             raise TimeoutError(f"placement group of {cfg.ranks} x {bundle} not schedulable within {timeout_s}s "
                                f"(cluster resources: {ray.cluster_resources()})")
         self.ranks: list = []
+        self.slots: list[int] = []  # each rank's placement-group bundle (= its rank in the whole group)
         self.generation = 0
         self._spawn(timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
@@ -52,6 +57,11 @@ class EPCluster:
         self._placement_epoch = 0
         self._rebalance_lock = threading.Lock()
         log.info("EP group up: %d ranks, %s, %d KV blocks per rank", cfg.ranks, cfg.backend, self.kv_blocks_per_rank)
+        if cfg.redundant_experts:
+            m = self.expert_memory()
+            log.info("redundant experts: every expert on >= 2 ranks; routed expert weights %.1f MiB over all ranks, "
+                     "%.1f MiB of them replicas (%.2fx a single copy)", m["expert_bytes"] / 2**20,
+                     m["redundant_expert_bytes"] / 2**20, m["expert_bytes"] / max(1, m["expert_bytes"] - m["redundant_expert_bytes"]))
         slow = [i["rank"] for i in self.info if i.get("cpu_kernels") is False]
         if slow:  # the ranks log why in their own worker logs, which a driver with log_to_driver=False never shows
             log.warning("ranks %s run without the compiled CPU kernels (no C compiler, no AVX2/FMA, or "
@@ -63,11 +73,13 @@ class EPCluster:
         process group (a fresh rendezvous store, on a port rank 0 holds from the bind on, each time)."""
         cfg = self.cfg
         actor_cls = ray.remote(RankWorker)
+        self.slots = list(range(cfg.ranks))
         self.ranks = [
             actor_cls.options(
                 num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
-            ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank)
+            ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank,
+                     cfg.redundant_experts)
             for i in range(cfg.ranks)
         ]
         try:
@@ -79,6 +91,16 @@ class EPCluster:
         except BaseException:
             self._kill_ranks()
             raise
+
+    def expert_memory(self, per_rank: list[dict] | None = None) -> dict:
+        """{expert_bytes: routed expert weights held over all ranks, replicas included (bytes, as the ranks report
+        them in `per_rank` stats, else at setup); redundant_expert_bytes: the share of it beyond one copy of each expert (the memory cost of
+        `--redundant-experts` or EPLB replicas), assuming every expert of the model has the same size}."""
+        total = sum(i.get("expert_bytes", 0) for i in (self.info if per_rank is None else per_rank))
+        moe = [l for l in range(self.model_config.num_layers) if l not in self._dense]
+        held = sum(len(reps) for l in moe for reps in self.placement.replicas[l])
+        extra = sum(self.placement.num_redundant(l) for l in moe)
+        return {"expert_bytes": total, "redundant_expert_bytes": round(total * extra / held) if held else 0}
 
     def _kill_ranks(self) -> None:
         for r in self.ranks:
@@ -101,6 +123,7 @@ class EPCluster:
         """
         t0 = time.perf_counter()
         self._kill_ranks()
+        self.placement = self._initial_placement  # all cfg.ranks bundles again, even after a `shrink`
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             raise TimeoutError(f"placement group not ready within {timeout_s}s after a rank failure")
@@ -113,10 +136,101 @@ class EPCluster:
         log.warning("EP group rebuilt (generation %d) in %.1f s", self.generation, time.perf_counter() - t0)
         return time.perf_counter() - t0
 
+    def shrink(self, dead: int, timeout_s: float = 30.0) -> dict:
+        """Elastic EP: drop rank `dead` (killed if still there) and form a new group over the survivors, without
+        restarting them: a new process group under a new store prefix, ranks renumbered in order, the placement
+        without the dead rank's replicas (`shrink_placement`: the survivors keep their experts). The survivors'
+        sequences and KV caches are untouched; each re-runs the step the loss interrupted. Returns {dead,
+        world_size, generation, shrink_s, regroup_s (slowest survivor's switch)}.
+
+        Raises:
+            ValueError: no redundant experts, a single rank, or some expert lived only on `dead` (rebuild instead).
+            TimeoutError / RuntimeError / ray errors: a survivor did not switch (rebuild the group).
+        """
+        t0 = time.perf_counter()
+        if not self.cfg.redundant_experts:
+            raise ValueError("shrink needs redundant experts (ClusterConfig.redundant_experts)")
+        new = shrink_placement(self.placement, dead, dense_layers=self._dense)
+        self._whole_placement = self.placement  # what a replacement rank joins back (`prepare_grow`)
+        try:
+            ray.kill(self.ranks[dead], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        survivors = [r for i, r in enumerate(self.ranks) if i != dead]
+        W = len(survivors)
+        self.generation += 1
+        addr, port = ray.get(survivors[0].open_regroup_store.remote(), timeout=timeout_s) if W > 1 else ("", 0)
+        prefix = f"moeray/elastic/{self.generation}"
+        cfg = self.cfg
+        done = ray.get([r.regroup.remote(i, W, addr, port, new.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
+                                         cfg.transport, timeout_s) for i, r in enumerate(survivors)],
+                       timeout=timeout_s + 5)
+        self.ranks, self.placement = survivors, new
+        del self.slots[dead]
+        # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now
+        self._load_snaps.clear()
+        self.stats()
+        self.info = [{**info, "rank": d["rank"]} for info, d in zip(
+            [x for i, x in enumerate(self.info) if i != dead], done)]
+        out = {"dead": dead, "world_size": W, "generation": self.generation, "shrink_s": time.perf_counter() - t0,
+               "regroup_s": max(d["regroup_s"] for d in done)}
+        log.warning("rank %d lost: %d survivors regrouped (generation %d) in %.2f s", dead, W, self.generation,
+                    out["shrink_s"])
+        return out
+
+    def prepare_grow(self, timeout_s: float = 120.0):
+        """Elastic EP, after a `shrink`: start a replacement rank in the lost rank's bundle and read its experts
+        (the whole group's placement) while the others keep serving. Returns the handle for `finish_grow`.
+        Raises ValueError unless exactly one rank of the whole group is missing."""
+        lost = [b for b in range(self.cfg.ranks) if b not in self.slots]
+        if len(lost) != 1:
+            raise ValueError(f"grow needs exactly one missing rank, missing: {lost}")
+        cfg, b = self.cfg, lost[0]
+        actor = ray.remote(RankWorker).options(
+            num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b),
+        ).remote(b, cfg.ranks, cfg.engine_config(), self._whole_placement.to_dict(), cfg.num_threads_per_rank, True)
+        t0 = time.perf_counter()
+        try:
+            info = ray.get(actor.prepare_join.remote(), timeout=timeout_s)
+        except BaseException:
+            ray.kill(actor, no_restart=True)
+            raise
+        return {"slot": b, "actor": actor, "info": info, "prepare_s": time.perf_counter() - t0}
+
+    def finish_grow(self, prepared: dict, timeout_s: float = 30.0) -> dict:
+        """Switch to the whole group between steps: the survivors `regroup` back to their ranks of the whole group
+        (same experts, same local rows), the replacement `join`s, all under a new store prefix. Returns {rank
+        (the replacement's), world_size, generation, prepare_s, switch_s}. Raises what the calls raise (the
+        caller rebuilds the group)."""
+        t0 = time.perf_counter()
+        b, actor, cfg = prepared["slot"], prepared["actor"], self.cfg
+        slots = sorted(self.slots + [b])
+        ranks = [actor if s == b else self.ranks[self.slots.index(s)] for s in slots]
+        addr, port = ray.get(ranks[0].open_regroup_store.remote(), timeout=timeout_s)
+        self.generation += 1
+        prefix, full = f"moeray/elastic/{self.generation}", self._whole_placement
+        calls = [actor.join.remote(addr, port, prefix, cfg.backend, cfg.pg_timeout_s, cfg.transport) if s == b else
+                 r.regroup.remote(i, len(slots), addr, port, full.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
+                                  cfg.transport, timeout_s) for i, (s, r) in enumerate(zip(slots, ranks))]
+        ray.get(calls, timeout=timeout_s + 5)
+        info = {s: x for s, x in zip(self.slots, self.info)}
+        info[b] = prepared["info"]
+        self.ranks, self.slots, self.placement = ranks, slots, full
+        self.info = [{**info[s], "rank": i} for i, s in enumerate(slots)]
+        self._load_snaps.clear()
+        self.stats()
+        out = {"rank": b, "world_size": len(slots), "generation": self.generation,
+               "prepare_s": prepared["prepare_s"], "switch_s": time.perf_counter() - t0}
+        log.warning("replacement rank %d joined (generation %d): read its experts in %.2f s, switched in %.2f s",
+                    b, self.generation, out["prepare_s"], out["switch_s"])
+        return out
+
     def stats(self) -> dict:
         """Cluster snapshot: per-rank stats and aggregated expert load (see `cluster.metrics`)."""
         per_rank = ray.get([r.stats.remote() for r in self.ranks], timeout=30)
         out = aggregate_stats(per_rank, self.placement)
+        out.update(self.expert_memory(per_rank))
         self._load_snaps.append((time.monotonic(), out["expert_load"]))
         return out
 
@@ -157,15 +271,17 @@ class EPCluster:
         Raises:
             ValueError: bad window_s / num_redundant. RuntimeError: the ranks did not switch at the same step.
         """
-        W = self.cfg.ranks
+        W = len(self.ranks)
         mc = self.model_config
+        # redundant experts: every expert keeps >= 2 replicas, so the group still survives a rank loss
+        least = 2 if self.cfg.redundant_experts and W >= 2 else 1
         if num_redundant is None:
-            num_redundant = W if W > 1 else 0
+            num_redundant = max(W if W > 1 else 0, mc.num_experts * (least - 1))
         with self._rebalance_lock:
             if load is None:
                 load = self.windowed_load(window_s)
             dense = [l for l in range(mc.num_layers) if not mc.moe_layers[l]]
-            new = eplb_placement(load, W, num_redundant, dense_layers=dense)
+            new = eplb_placement(load, W, num_redundant, dense_layers=dense, min_replicas=least)
             self._placement_epoch += 1
             epoch = self._placement_epoch
             prep = ray.get([r.prepare_placement.remote(new.to_dict(), epoch) for r in self.ranks], timeout=timeout_s)

@@ -24,11 +24,11 @@ def contiguous_placement(num_layers: int, num_experts: int, world_size: int) -> 
     return ExpertPlacement.contiguous(num_layers, num_experts, world_size)
 
 
-def _replicate(load: Sequence[float], num_replicas: int, max_per_expert: int) -> list[int]:
-    """Replica count per expert: start at 1, then repeatedly +1 for the expert with the largest
+def _replicate(load: Sequence[float], num_replicas: int, max_per_expert: int, min_per_expert: int = 1) -> list[int]:
+    """Replica count per expert: start at `min_per_expert`, then repeatedly +1 for the expert with the largest
     load / count (ties: lower id) that has fewer than `max_per_expert` replicas."""
-    count = [1] * len(load)
-    for _ in range(num_replicas - len(load)):
+    count = [min_per_expert] * len(load)
+    for _ in range(num_replicas - min_per_expert * len(load)):
         cand = [e for e in range(len(load)) if count[e] < max_per_expert]
         if not cand:
             break
@@ -95,14 +95,16 @@ def _refine(load: Sequence[float], ranks_of: list[list[int]], held: list[set[int
 
 
 def eplb_placement(load_LE: Sequence[Sequence[float]], world_size: int, num_redundant: int = 0, *,
-                   dense_layers: Sequence[int] = ()) -> ExpertPlacement:
+                   dense_layers: Sequence[int] = (), min_replicas: int = 1) -> ExpertPlacement:
     """Load-balanced placement with `num_redundant` extra replicas per layer (see module docstring).
 
     Args:
         load_LE: [L][E] observed expert loads (token-expert assignments in a window), any non-negative numbers.
         world_size: W ranks. num_redundant: R extra replicas per layer, 0 <= R <= E * (W - 1).
         dense_layers: layers to leave contiguous (no routed experts). A layer with zero observed load is
-            left contiguous too (no evidence; avoids moving weights for nothing).
+            left contiguous too (no evidence; avoids moving weights for nothing), unless min_replicas > 1.
+        min_replicas: replicas every expert of a MoE layer gets at least (2: every expert survives the loss of
+            one rank, `--redundant-experts`); needs 1 <= min_replicas <= W and R >= E * (min_replicas - 1).
     Returns an `ExpertPlacement` where every expert has 1..W replicas on distinct ranks and every rank holds
     at most ceil((E + R) / W) experts per layer; local rows on a rank are in ascending global id order.
     Raises:
@@ -114,6 +116,11 @@ def eplb_placement(load_LE: Sequence[Sequence[float]], world_size: int, num_redu
         raise ValueError(f"world_size={world_size} must be >= 1")
     if not 0 <= num_redundant <= E * (world_size - 1):
         raise ValueError(f"num_redundant={num_redundant} must be in [0, E * (W - 1) = {E * (world_size - 1)}]")
+    if not 1 <= min_replicas <= world_size:
+        raise ValueError(f"min_replicas={min_replicas} must be in [1, world_size={world_size}]")
+    if num_redundant < E * (min_replicas - 1):
+        raise ValueError(f"num_redundant={num_redundant} must be >= E * (min_replicas - 1) = {E * (min_replicas - 1)} "
+                         f"for min_replicas={min_replicas}")
     base = ExpertPlacement.contiguous(L, E, world_size)
     slots = math.ceil((E + num_redundant) / world_size)
     replicas = []
@@ -122,12 +129,14 @@ def eplb_placement(load_LE: Sequence[Sequence[float]], world_size: int, num_redu
             raise ValueError(f"load_LE layer {l} has {len(load)} experts, layer 0 has {E}")
         if any(x < 0 for x in load):
             raise ValueError(f"load_LE layer {l} has a negative load")
+        if min_replicas > 1 and l not in dense_layers and not sum(load):
+            load = [1.0] * E  # no evidence: every expert alike, each still on min_replicas ranks
         if l in dense_layers or not sum(load) or world_size == 1:
             replicas.append(base.replicas[l])
             continue
         # all R replicas, as EPLB does: fitting fewer to the window generalises worse on held-out text
         # (bench/placement.py), since the dispatcher water-fills replicas to follow unseen load shifts
-        ranks_of = _pack(load, _replicate(load, E + num_redundant, world_size), world_size, slots)
+        ranks_of = _pack(load, _replicate(load, E + num_redundant, world_size, min_replicas), world_size, slots)
         local: dict[int, int] = {}
         layer = []
         for e in range(E):  # ascending ids: local row = order of arrival on the rank
@@ -138,6 +147,40 @@ def eplb_placement(load_LE: Sequence[Sequence[float]], world_size: int, num_redu
             layer.append(reps)
         replicas.append(layer)
     return ExpertPlacement(num_experts=E, world_size=world_size, replicas=replicas)
+
+
+def redundant_placement(num_layers: int, num_experts: int, world_size: int, *,
+                        dense_layers: Sequence[int] = ()) -> ExpertPlacement:
+    """`--redundant-experts`: every routed expert on two ranks (no load observed yet, so all alike), so that the
+    group survives the loss of any one rank (`shrink_placement`). Each rank holds ceil(2E / W) experts per MoE
+    layer instead of about E / W. Raises ValueError if world_size < 2."""
+    if world_size < 2:
+        raise ValueError(f"redundant experts need world_size >= 2 (every expert on two ranks), got {world_size}")
+    zeros = [[0.0] * num_experts for _ in range(num_layers)]
+    return eplb_placement(zeros, world_size, num_experts, dense_layers=dense_layers, min_replicas=2)
+
+
+def shrink_placement(placement: ExpertPlacement, dead: int, *, dense_layers: Sequence[int] = ()) -> ExpertPlacement:
+    """The placement after rank `dead` is lost: its replicas dropped, ranks above it renumbered down by one, every
+    survivor's local rows unchanged (no weight moves); `dense_layers` (no routed experts) become contiguous over
+    the survivors. Raises ValueError if some expert of a MoE layer lived only on `dead`."""
+    W = placement.world_size
+    if not 0 <= dead < W or W < 2:
+        raise ValueError(f"dead={dead} must be a rank of a group of >= 2 (world_size={W})")
+    base = ExpertPlacement.contiguous(placement.num_layers, placement.num_experts, W - 1)
+    replicas = []
+    for l, layer in enumerate(placement.replicas):
+        if l in dense_layers:
+            replicas.append(base.replicas[l])
+            continue
+        row = []
+        for e, reps in enumerate(layer):
+            keep = [(r - (r > dead), i) for r, i in reps if r != dead]
+            if not keep:
+                raise ValueError(f"layer {l} expert {e} lived only on rank {dead}: no replica survives")
+            row.append(keep)
+        replicas.append(row)
+    return ExpertPlacement(num_experts=placement.num_experts, world_size=W - 1, replicas=replicas)
 
 
 def expected_rank_load(placement: ExpertPlacement, load_LE: Sequence[Sequence[float]]) -> list[list[float]]:

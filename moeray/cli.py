@@ -55,6 +55,11 @@ def add_engine_args(p) -> None:
                         "bandwidth per rank; after a node dies the group is rebuilt on the survivors); "
                         "STRICT_SPREAD: one rank per node or nothing (after a node dies the group waits for a new "
                         "node); STRICT_PACK: all ranks on one node or nothing. See README 'Several machines'")
+    p.add_argument("--redundant-experts", action="store_true",
+                   help="place every routed expert on at least two ranks (needs --ranks >= 2; costs expert memory, "
+                        "logged at start and in the stats / moeray_redundant_expert_bytes): when one rank dies, its "
+                        "requests end with a retriable error and the survivors go on serving every other stream "
+                        "(elastic EP); without it a rank loss rebuilds the whole group")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens; unset: the model's max_position_embeddings (as vLLM)")
     p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
@@ -152,7 +157,7 @@ def engine_kwargs(a) -> dict:
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
               dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=a.placement_strategy,
-              prefix_routing=a.prefix_routing,
+              redundant_experts=a.redundant_experts, prefix_routing=a.prefix_routing,
               prefix_routing_imbalanced_threshold=a.prefix_routing_imbalanced_threshold,
               prefix_routing_match_rate_threshold=a.prefix_routing_match_rate_threshold)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,

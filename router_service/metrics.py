@@ -157,7 +157,11 @@ class ClusterCollector:
                 ("kv_blocks_used", "KV blocks in use over all ranks", s["kv_blocks_total"] - s["kv_blocks_free"]),
                 ("kv_blocks_free", "free KV blocks over all ranks", s["kv_blocks_free"]),
                 ("kv_blocks_total", "KV blocks over all ranks", s["kv_blocks_total"]),
-                ("ranks_failed", "ranks reporting a failure", sum(1 for r in s.get("ranks", []) if r.get("failed")))):
+                ("ranks_failed", "ranks reporting a failure", sum(1 for r in s.get("ranks", []) if r.get("failed"))),
+                ("expert_bytes", "routed expert weights held over all ranks, replicas included (bytes)",
+                 s.get("expert_bytes", 0)),
+                ("redundant_expert_bytes", "routed expert weights beyond one copy of each expert: the memory cost "
+                 "of --redundant-experts / EPLB replicas (bytes)", s.get("redundant_expert_bytes", 0))):
             f = g(name, doc)
             f.add_metric([], v)
             yield f

@@ -85,12 +85,19 @@ class PrefixIndex:
     def size(self, rank: int) -> int:
         return len(self._lru[rank])
 
-    def clear(self, capacity_blocks: int | None = None) -> None:
-        """Forget everything (the EP group was rebuilt); optionally a new per-rank capacity."""
+    def clear(self, capacity_blocks: int | None = None, ranks: int | None = None) -> None:
+        """Forget everything (the EP group was rebuilt); optionally a new per-rank capacity and rank count."""
         if capacity_blocks is not None:
             self.capacity = max(1, capacity_blocks)
-        for lru in self._lru:
-            lru.clear()
+        self._lru = [OrderedDict() for _ in range(len(self._lru) if ranks is None else ranks)]
+
+    def drop(self, rank: int) -> None:
+        """Forget rank `rank` (it left the group); the ranks above it move down one index."""
+        del self._lru[rank]
+
+    def insert_rank(self, rank: int) -> None:
+        """A new, empty rank at index `rank`; the ranks from it move up one index."""
+        self._lru.insert(rank, OrderedDict())
 
 
 def choose_rank(costs: list[int], requests: list[int], matched_tokens: list[int], prompt_tokens: int,
@@ -128,7 +135,7 @@ class RankChooser:
                  match_rate_threshold: float = _DEFAULTS["prefix_routing_match_rate_threshold"],
                  default_gating: str = "exact"):
         check_prefix_routing(imbalanced_threshold, match_rate_threshold)
-        self.ranks = ranks
+        self.ranks = self._world = ranks  # ranks now (after a `drop`), ranks of a whole group
         self.imbalanced_threshold, self.match_rate_threshold = imbalanced_threshold, match_rate_threshold
         self.default_gating = default_gating
         self.index = PrefixIndex(ranks, block_size, capacity_blocks, first_cut) if prefix_routing else None
@@ -179,9 +186,25 @@ class RankChooser:
         self.costs[rank] -= cost
         self.requests[rank] -= 1
 
+    def drop(self, rank: int) -> None:
+        """Rank `rank` left the group (elastic EP): its load and index entries go, the ranks above move down one."""
+        del self.costs[rank], self.requests[rank]
+        self.ranks -= 1
+        if self.index is not None:
+            self.index.drop(rank)
+
+    def insert(self, rank: int) -> None:
+        """A replacement rank joined as `rank` (elastic EP): no load, an empty index; the ranks from it move up."""
+        self.costs.insert(rank, 0)
+        self.requests.insert(rank, 0)
+        self.ranks += 1
+        if self.index is not None:
+            self.index.insert_rank(rank)
+
     def reset(self, capacity_blocks: int | None = None) -> None:
-        """A new EP group: no load, an empty index (optionally a new capacity per rank)."""
+        """A new EP group (all its ranks): no load, an empty index (optionally a new capacity per rank)."""
+        self.ranks = self._world
         self.costs, self.requests = [0] * self.ranks, [0] * self.ranks
         if self.index is not None:
-            self.index.clear(capacity_blocks)
+            self.index.clear(capacity_blocks, self.ranks)
 

@@ -56,21 +56,23 @@ class RankChannels:
         ranks: the generation's rank actor handles (`open_output_channel`, `health`), in rank order.
         next_seq: draws a fresh wake seq (the router's counter, shared by both paths).
         on_outputs: called on a poller thread with each output frame's `TokenOutput`s.
-        on_failure: called once per failing rank with (reason, detail): `reason` in moeray's words for clients
-            (`client_reason`), `detail` with the exception's own text for the log (the router acts on the first
-            report of a generation).
+        on_failure: called once per failing rank with (reason, detail, rank): `reason` in moeray's words for
+            clients (`client_reason`), `detail` with the exception's own text for the log, `rank` its index now
+            (the router acts on the first report of a generation).
+    `drop(rank)` takes a lost rank out (elastic EP): the others keep their connections and move down one index.
     """
 
     def __init__(self, ranks: list, next_seq: Callable[[], int], on_outputs: Callable[[list[TokenOutput]], None],
-                 on_failure: Callable[[str, str], None]):
-        self.ranks = ranks
+                 on_failure: Callable[[str, str, int], None]):
+        self.ranks = list(ranks)
+        self._slots = list(range(len(ranks)))  # index now -> the poller's slot (its index at start)
         self._next_seq, self._on_outputs, self._on_failure = next_seq, on_outputs, on_failure
         self._lock = threading.Lock()
-        self._conns: dict[int, socket.socket] = {}
+        self._conns: dict[int, socket.socket] = {}  # by slot
         self._send_lock = threading.Lock()  # a seq is drawn and written to every rank under it
         self._closed = False
-        self._threads = [threading.Thread(target=self._poll, args=(i,), daemon=True, name=f"poll-rank{i}")
-                         for i in range(len(ranks))]
+        self._threads = [threading.Thread(target=self._poll, args=(i, r), daemon=True, name=f"poll-rank{i}")
+                         for i, r in enumerate(self.ranks)]
         for t in self._threads:
             t.start()
 
@@ -78,7 +80,38 @@ class RankChannels:
     def connected(self) -> bool:
         """Whether every rank's channel is up (so `post` sends)."""
         with self._lock:
-            return len(self._conns) == len(self.ranks) and not self._closed
+            return all(s in self._conns for s in self._slots) and not self._closed
+
+    def drop(self, rank: int) -> None:
+        """Rank `rank` is gone from the group: no more frames to it; the ranks above it move down one index."""
+        with self._lock:
+            slot = self._slots.pop(rank)
+            del self.ranks[rank]
+            conn = self._conns.pop(slot, None)
+        if conn is not None:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def add(self, rank: int, actor) -> None:
+        """A replacement rank joined as index `rank` (elastic EP): the ranks from `rank` up move up one index; its
+        poller connects in the background (until then `post` returns False: the caller takes the actor calls)."""
+        with self._lock:
+            slot = len(self._threads)
+            self._slots.insert(rank, slot)
+            self.ranks.insert(rank, actor)
+            actors = dict(zip(self._slots, self.ranks))
+            t = threading.Thread(target=self._poll, args=(slot, actors[slot]), daemon=True, name=f"poll-rank{rank}")
+            self._threads.append(t)
+        t.start()
+
+    def _live(self) -> list[socket.socket] | None:
+        """Every live rank's connection in index order, or None while one is not up (or closed)."""
+        with self._lock:
+            if self._closed or not all(s in self._conns for s in self._slots):
+                return None
+            return [self._conns[s] for s in self._slots]
 
     def post(self, owner: int, kind: bytes, payload: bytes, wake: bool = True) -> bool:
         """Write (kind, seq, payload) to rank `owner` and a wake with the same fresh seq to every other rank.
@@ -88,10 +121,9 @@ class RankChannels:
 
         Returns False, sending nothing, while some channel is not up (the caller takes the actor calls).
         Raises OSError when a write fails (that rank's poller reports it unreachable)."""
-        with self._lock:
-            if self._closed or len(self._conns) != len(self.ranks):
-                return False
-            conns = [self._conns[i] for i in range(len(self.ranks))]
+        conns = self._live()
+        if conns is None:
+            return False
         with self._send_lock:
             if not wake:
                 conns[owner].sendall(encode_control(kind, 0, payload))
@@ -104,20 +136,19 @@ class RankChannels:
     def wake_all(self) -> bool:
         """A fresh wake seq to every rank (after requests posted with wake=False). False while a channel is down.
         Raises OSError when a write fails."""
-        with self._lock:
-            if self._closed or len(self._conns) != len(self.ranks):
-                return False
-            conns = [self._conns[i] for i in range(len(self.ranks))]
+        conns = self._live()
+        if conns is None:
+            return False
         with self._send_lock:
             seq = self._next_seq()
             for conn in conns:
                 conn.sendall(encode_control(WAKE, seq))
         return True
 
-    def _poll(self, rank: int) -> None:
+    def _poll(self, rank: int, actor) -> None:
         """Connect to rank `rank`'s channel and read it until `close`; a dead or failed rank is reported. Silence
-        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives."""
-        actor = self.ranks[rank]
+        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives. `rank`: the
+        poller's slot (its index when it started)."""
         conn = None
         try:
             host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
@@ -141,8 +172,10 @@ class RankChannels:
                 if failed is not None:
                     raise RankFailed(failed)
         except Exception as e:  # noqa: BLE001 - the rank died or failed: the router rebuilds the group
-            if not self._closed:
-                self._on_failure(client_reason(rank, e), f"rank {rank}: {type(e).__name__}: {e}")
+            with self._lock:
+                index = self._slots.index(rank) if rank in self._slots else None
+            if not self._closed and index is not None:
+                self._on_failure(client_reason(index, e), f"rank {index}: {type(e).__name__}: {e}", index)
         finally:
             with self._lock:
                 if self._conns.get(rank) is conn:

@@ -12,7 +12,7 @@ after the process-group timeout of at most 10 s), the router (1) refuses new req
 `EngineError` (HTTP 503 / gRPC UNAVAILABLE), (2) ends every in-flight request at once with
 `finish_reason="error"` (retriable: 503 / UNAVAILABLE at the front doors), (3) kills every rank and starts a new
 EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up, and (4) serves again.
-Pollers belong to one cluster generation and exit when it ends.
+Pollers belong to one cluster generation and exit when it ends. Redundant experts: `router_service.elastic`.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from actors.model.config import ModelConfig
 from cluster.config import ClusterConfig
 from cluster.launcher import EPCluster
 from router_service.admission import PromptAdmission, default_max_queue
+from router_service.elastic import try_shrink
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.prefix_affinity import RankChooser
 from router_service.rank_channels import RankChannels
@@ -77,6 +78,7 @@ class Router:
         self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
         self._recovering_since = 0.0  # time.monotonic() when it started
         self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
+        self.rejoins: list[dict] = []  # elastic EP: one entry per replacement rank switched in
         self._draining = False  # set by drain(): new requests are refused, running ones may finish
         self._channels: RankChannels | None = None
         self._start_error: str | None = None  # a background build that cannot succeed (bad configuration)
@@ -92,7 +94,7 @@ class Router:
         gen = self._gen
         self._ranks.reset(self.cluster.kv_blocks_per_rank)  # a new EP group: empty caches, nothing in flight
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
-                                      lambda reason, detail: self._on_rank_failure(gen, reason, detail))
+                                      lambda reason, detail, rank: self._on_rank_failure(gen, reason, detail, rank))
 
     @property
     def submit_is_quick(self) -> bool:
@@ -151,9 +153,7 @@ class Router:
         return stream
 
     def _wake_others(self, rank: int | None, seq: int) -> None:
-        for i, r in enumerate(self.cluster.ranks):
-            if i != rank:
-                r.wake.remote(seq)
+        [r.wake.remote(seq) for i, r in enumerate(self.cluster.ranks) if i != rank]
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -162,9 +162,8 @@ class Router:
             if stream is not None and not stream.admitted:  # the rank may not know it yet: cancel once it does
                 stream.abort_pending = True
                 return
-        if stream is None:
-            return
-        self._abort_on_rank(stream.rank, request_id, seq)
+        if stream is not None:
+            self._abort_on_rank(stream.rank, request_id, seq)
 
     def _abort_on_rank(self, rank: int, request_id: str, seq: int) -> None:
         """Let `rank` end `request_id` (its KV blocks freed): over the channels, else the actor calls with `seq`."""
@@ -212,10 +211,12 @@ class Router:
             self._finish(s.request_id)
         return len(victims)
 
-    def _on_rank_failure(self, gen: int, reason: str, detail: str = "") -> None:
-        """First report of a failure in generation `gen`: fail everything in flight, rebuild in the background.
-        Later reports of the same generation (the other ranks' pollers) are ignored. `reason` goes to clients
-        (moeray's words), `detail` (the exception's text) to the log only."""
+    def _on_rank_failure(self, gen: int, reason: str, detail: str = "", rank: int | None = None) -> None:
+        """First report of a failure in generation `gen`: with redundant experts, rank `rank` alone is dropped
+        (`router_service.elastic`); else fail everything in flight, rebuild in the background. Later reports of the
+        same generation are ignored. `reason` goes to clients (moeray's words), `detail` to the log only."""
+        if rank is not None and try_shrink(self, gen, rank, reason, detail):
+            return
         with self._lock:
             if gen != self._gen or self._closed:
                 return
@@ -325,8 +326,7 @@ class Router:
 
     @property
     def in_flight(self) -> int:
-        with self._lock:
-            return len(self._streams)
+        return len(self._streams)  # one read of a dict's size: atomic under the GIL
 
     def stats(self) -> dict:
         """Cluster stats (see `cluster.metrics`) plus `in_flight`, `recoveries` and `prefix_routed` (requests sent

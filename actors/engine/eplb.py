@@ -8,12 +8,17 @@ Sequences, KV cache and non-expert weights are untouched, so requests in flight 
 
 The mixin reads the engine's `cfg`, `model_cfg`, `rank`, `device`, `keep_bf16`, `model`, `dispatcher`,
 `expert_runtime` and `_build_experts` (`actors.engine.engine.RankEngine`).
+
+`regroup` is the elastic case: the EP group was formed anew over the survivors of a lost rank; this rank may
+get a new rank number, group and transport, and a placement in which it holds the same experts in the same local
+rows (the lost rank's replicas dropped, `cluster.placement.shrink_placement`), so no weight moves.
 """
 from __future__ import annotations
 
 import torch
 
 from actors.model.model import NO_OBSERVER
+from actors.moe.dispatch import AllToAllDispatcher
 from actors.model.weights import CheckpointReader, load_expert_weights
 from actors.moe.placement import ExpertPlacement
 
@@ -71,3 +76,17 @@ class PlacementMixin:
         experts, self.expert_runtime = self._build_experts(dict(prepared), local, self.model.gating_router)
         self.model.set_experts(experts, NO_OBSERVER if self.expert_runtime is None else self.expert_runtime)
         self.dispatcher.set_placement(placement)
+
+    def regroup(self, placement: ExpertPlacement, rank: int, group, shm=None) -> None:
+        """Join the survivors' new EP group between steps: new rank number `rank`, process `group` (None: alone),
+        same-node transport `shm`, and `placement` (world size = the survivors). Sequences, KV cache and weights are
+        untouched. Raises ValueError if `placement` would have this rank hold other experts than it holds now."""
+        old = self.dispatcher.placement
+        for l in range(self.model_cfg.num_layers):
+            if self.model_cfg.moe_layers[l] and placement.local_experts(l, rank) != old.local_experts(l, self.rank):
+                raise ValueError(f"regroup: layer {l} would hold experts {placement.local_experts(l, rank)} as rank "
+                                 f"{rank}, this rank holds {old.local_experts(l, self.rank)}")
+        self.rank, self.group = rank, group
+        self.dispatcher = AllToAllDispatcher(placement, rank, group, device=self.device, shm=shm,
+                                             max_experts_per_token=self.model.gating_router.state.k_max)
+        self.model.set_dispatcher(self.dispatcher)

@@ -121,6 +121,11 @@ class MoEModel:
         self.experts = list(experts)
         self.observer = observer
 
+    def set_dispatcher(self, dispatcher: Dispatcher) -> None:
+        """Use `dispatcher` from the next forward on: between steps, when the EP group is formed anew over the
+        survivors of a lost rank (`actors.engine.eplb.PlacementMixin.regroup`)."""
+        self.dispatcher = dispatcher
+
     def _fuse_projections(self) -> None:
         """One GEMM where the checkpoint has several reading the same input (decode is launch-bound:
         49 -> 33 matmuls per token on a 4-layer Qwen2-MoE): q/k/v -> `qkv_w` [(H + 2 Hkv) Dh, D] (+ `qkv_b`),

@@ -21,6 +21,7 @@ from actors.moe.placement import ExpertPlacement
 from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.engine.messages import GenerateRequest
+from actors.rank.elastic import ElasticRank
 from actors.rank.lockstep import LockstepLoop
 from actors.rank.netif import select_gloo_interface
 from actors.rank.output_channel import ABORT, REQUEST, OutputChannel
@@ -33,15 +34,21 @@ from kernels.cpu import cpu_kernels_available
 SHM_MAX_BYTES = 256 << 20  # the shared-memory transport's segment (both banks, all rank pairs) at most
 
 
-class RankWorker(LockstepLoop):
+class RankWorker(ElasticRank, LockstepLoop):
     """One rank: engine + lockstep loop + output channel. Wrapped as a Ray actor by `cluster` (any process
     can host it; tests may use it in-process for world_size == 1).
 
-    Methods are thread-safe; the engine itself runs only on the loop thread.
+    Methods are thread-safe; the engine itself runs only on the loop thread. elastic: the rank's experts are
+    replicated (redundant experts), so a lost peer leaves it waiting for the survivors' new group (`regroup`).
     """
 
-    def __init__(self, rank: int, world_size: int, engine_cfg: dict, placement: dict, num_threads: int = 1):
+    def __init__(self, rank: int, world_size: int, engine_cfg: dict, placement: dict, num_threads: int = 1,
+                 elastic: bool = False):
         self.rank = rank
+        self.elastic = elastic  # redundant experts: a lost peer means a new group over the survivors, not failure
+        self._inflight = None  # the planned step now running (re-run after a regroup)
+        self._regroup_order: tuple | None = None
+        self._regroup_done: dict | None = None
         self.world_size = world_size
         self.engine_cfg = EngineConfig(**engine_cfg)
         self.placement = ExpertPlacement.from_dict(placement)
@@ -107,27 +114,35 @@ class RankWorker(LockstepLoop):
             if self.rank == 0 and self._store is None:
                 raise ValueError("rank 0 hosts the rendezvous: call open_rendezvous() before setup()")
             store = self._store or join_store(master_addr, master_port, self.world_size, max(120.0, timeout_s))
-            if backend == "gloo":
-                select_gloo_interface(self.node_ip())
-            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=timeout_s))
-            self.group = dist.group.WORLD
-            if backend == "gloo" and transport == "auto":
-                # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
-                # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
-                hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
-                slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
-                self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
-                if self.shm is None:  # not one node (or shared memory refused): the same calls over TCP
-                    self.shm = TcpAllToAll.setup(store, self.rank, self.world_size, self.node_ip(), timeout_s)
+            self._join_group(store, backend, timeout_s, transport)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
-        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
-        self._thread.start()
+        self._start_loop()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
+                "expert_bytes": self.expert_bytes(),
                 # None on GPU ranks (the kernels are the CPU path only)
                 "cpu_kernels": cpu_kernels_available() if self.engine.device.type == "cpu" else None,
                 "transport": (("tcp+" if isinstance(self.shm, TcpAllToAll) else "shm+") + backend if self.shm is not None
                               else backend if self.world_size > 1 else "none")}
+
+    def _start_loop(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"rank{self.rank}-loop", daemon=True)
+        self._thread.start()
+
+    def _join_group(self, store, backend: str, timeout_s: float, transport: str) -> None:
+        """Init the process group over `store` as (self.rank, self.world_size) and open the step transport."""
+        if backend == "gloo":
+            select_gloo_interface(self.node_ip())
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        self.group = dist.group.WORLD
+        if backend == "gloo" and transport == "auto":
+            # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
+            # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
+            hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
+            slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
+            self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
+            if self.shm is None:  # not one node (or shared memory refused): the same calls over TCP
+                self.shm = TcpAllToAll.setup(store, self.rank, self.world_size, self.node_ip(), timeout_s)
 
     # ------------------------------------------------------------------ router calls
     def _bump(self, seq: int) -> None:
@@ -175,6 +190,14 @@ class RankWorker(LockstepLoop):
         (host, port, token)."""
         return self.channel.open()
 
+    def expert_bytes(self) -> int:
+        """Bytes of the routed expert weights this rank holds (full precision: its [E_loc, ...] stacks; packed
+        experts: their packed bytes in memory)."""
+        n = sum(v.nbytes for k, v in self.engine.model.w.items() if k.endswith((".w_gate_up", ".w_down")))
+        if n == 0 and getattr(self.engine, "expert_runtime", None) is not None:
+            n = self.engine.expert_runtime.tier_stats()["packed"]["allocated_bytes"]
+        return int(n)
+
     def stats(self) -> dict:
         s = self.engine.stats() if self.engine else {}
         s["failed"] = self._failed
@@ -182,6 +205,7 @@ class RankWorker(LockstepLoop):
             # rows this rank sent to each rank per layer (cumulative [L][W]): the measured rank load
             s["dispatch_rows"] = self.engine.dispatcher.sent_rows.tolist()
             s["placement_epoch"] = self._applied_epoch
+            s["expert_bytes"] = self.expert_bytes()
             if getattr(self.engine, "expert_runtime", None) is not None:  # packed experts: cache hit rate, recall
                 try:
                     s["expert_cache"] = self.engine.expert_runtime.summary()

@@ -127,3 +127,20 @@ def test_cli_flags_reach_the_cluster_config():
         == (False, 3.0, 0.25)
     with pytest.raises(ValueError, match=r"^--prefix-routing-match-rate-threshold=2.0 must be in \[0, 1\]"):
         engine_kwargs(serve.parse_args(["--prefix-routing-match-rate-threshold", "2"]))
+
+
+def test_drop_and_insert_a_rank_keep_the_others_load_and_index():
+    """Elastic EP: a lost rank leaves (the ranks above move down), a replacement joins empty; `reset` restores the
+    whole group."""
+    ch = RankChooser(3, capacity_blocks=64, imbalanced_threshold=100, default_gating="exact")
+    ids = list(range(40))
+    h = ch.hashes(ids, GREEDY)
+    ch.costs, ch.requests = [5, 0, 0], [1, 0, 0]
+    ch.index.insert(2, h)
+    ch.drop(1)
+    assert ch.ranks == 2 and ch.costs == [5, 0] and ch.requests == [1, 0]
+    assert ch.choose(h, len(ids), 1) == 1  # old rank 2, now 1, still holds the prefix
+    ch.insert(1)
+    assert ch.ranks == 3 and ch.costs == [5, 0, 1] and ch.index.match(h)[1] == 0 and ch.index.match(h)[2] > 0
+    ch.reset()
+    assert ch.ranks == 3 and ch.costs == [0, 0, 0] and ch.index.match(h) == [0, 0, 0]
