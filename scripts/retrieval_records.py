@@ -151,6 +151,26 @@ def plant_training_records(tok, window_ids: Sequence[int], rng: random.Random, n
     return ids, [False] * (len(ids) - len(qa)) + qa_mask
 
 
+def plant_repeats(window_ids: Sequence[int], rng: random.Random, n_spans: int, lo: int = 8,
+                  hi: int = 48) -> tuple[list[int], list[bool]]:
+    """The window with `n_spans` spans of its own text (lo..hi tokens, from anywhere before) copied over later
+    positions, the same length: the pattern an induction head completes ("[A][B] ... [A] -> [B]", Olsson et
+    al. 2022, arXiv 2209.11895), which the planted records' retrieval needs and which a model trained on a
+    few million tokens has not formed. mask[i] is True where ids[i] is a copied token after its span's first
+    (predictable from the earlier occurrence). Raises ValueError if the window is shorter than 4 * hi.
+    """
+    ids, mask = list(window_ids), [False] * len(window_ids)
+    if len(ids) < 4 * hi:
+        raise ValueError(f"a window of {len(ids)} tokens is too short for spans of up to {hi} tokens")
+    for _ in range(n_spans):
+        m = rng.randint(lo, hi)
+        dst = rng.randrange(m + 1, len(ids) - m + 1)
+        src = rng.randrange(0, dst - m + 1)
+        ids[dst:dst + m] = ids[src:src + m]
+        mask[dst + 1:dst + m] = [True] * (m - 1)
+    return ids, mask
+
+
 def is_correct(completion: str, answer: str) -> bool:
     """Exact match: the completion, leading whitespace stripped, starts with the answer's digits and the
     next character (if any) is not a digit."""

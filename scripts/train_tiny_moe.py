@@ -183,7 +183,7 @@ def prepare(work, init: str | None = None):
 
 
 def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0,
-            answer_weight: float = 1.0, facts_per_1k: float | None = None):
+            answer_weight: float = 1.0, facts_per_1k: float | None = None, induction_frac: float = 0.0):
     """Yield micro-batches (x, w) of windows, prose and code alternating row by row (and, with one row per
     micro-batch, micro-batch by micro-batch), uniformly random offsets: x [micro_bs, ctx + 1] int64 and w
     [micro_bs, ctx] float32, the loss weight of each predicted token x[:, 1:] (1, or `answer_weight` for the
@@ -194,9 +194,10 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
     retrieval_frac > 0: that share of the windows (long and short) get retrieval records planted
     (`retrieval_records.plant_training_records`, needs `tok`), drawn from `gen`: `facts_per_1k` facts per
     1,024 tokens of window (24 at most; None: 3 in a 1k window, 6 in a 4k one), each asked for at the
-    window's end.
+    window's end. induction_frac > 0: that share of the windows (others than those) get one copied span of their own text
+    (`retrieval_records.plant_repeats`) per 128 tokens, the copies weighted by `answer_weight` too.
     """
-    from retrieval_records import plant_training_records
+    from retrieval_records import plant_repeats, plant_training_records
 
     n = 0
     while True:
@@ -208,11 +209,17 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
             off = int(torch.randint(0, len(stream) - L - 1, (1,), generator=gen))
             row = stream[off: off + L + 1].long()
             w = torch.ones(L)
-            if retrieval_frac > 0 and float(torch.rand((), generator=gen)) < retrieval_frac:
+            u = float(torch.rand((), generator=gen)) if retrieval_frac > 0 or induction_frac > 0 else 1.0
+            if u < retrieval_frac:
                 rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 n_facts = (max(1, min(6, L // 340)) if facts_per_1k is None  # 3 in a 1k window, 6 in a 4k one
                            else max(1, min(24, int(L * facts_per_1k / 1024))))
                 ids, mask = plant_training_records(tok, row.tolist(), rng, n_facts=n_facts, answer_mask=True)
+                row = torch.tensor(ids)
+                w[torch.tensor(mask[1:])] = answer_weight
+            elif u < retrieval_frac + induction_frac:
+                rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                ids, mask = plant_repeats(row.tolist(), rng, n_spans=L // 128)
                 row = torch.tensor(ids)
                 w[torch.tensor(mask[1:])] = answer_weight
             rows.append(row)
@@ -333,6 +340,8 @@ def main():
     ap.add_argument("--facts-per-1k", type=float, default=None,
                     help="planted facts per 1,024 tokens of a retrieval window (24 per window at most; "
                          "unset: 3 in a 1k window, 6 in a 4k one)")
+    ap.add_argument("--induction-frac", type=float, default=0.0,
+                    help="share of windows with copied spans of their own text (induction-head curriculum)")
     ap.add_argument("--probe-every", type=int, default=0, help="print a retrieval probe every N steps (0: never)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -394,7 +403,7 @@ def main():
 
     tok = Tokenizer.from_file(os.path.join(args.work_dir, "tokenizer.json"))
     it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac, args.answer_weight,
-                 args.facts_per_1k)
+                 args.facts_per_1k, args.induction_frac)
     sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
     micro = step * args.accum
     model.train()
@@ -483,7 +492,7 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
                     sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin, context=args.ctx,
                     rope_theta=model.config.rope_parameters["rope_theta"], short_ctx=args.short_ctx,
                     retrieval_frac=args.retrieval_frac, answer_weight=args.answer_weight,
-                    facts_per_1k=args.facts_per_1k)
+                    facts_per_1k=args.facts_per_1k, induction_frac=args.induction_frac)
         summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)
