@@ -78,3 +78,15 @@ def test_answer_mask_marks_each_answer_value_and_nothing_else(tok, held):
     marked = tok.decode([t for t, m in zip(out, mask) if m])
     answers = [line.split(" code is ")[1][:5] for line in tok.decode(out).split("\nAnswer: ")[1:]]
     assert marked.replace(".\n", "").split() == answers  # the values (and their ".\n"), in question order
+
+
+def test_repeats_copy_earlier_spans_and_mark_the_predictable_tokens(tok, held):
+    from scripts.retrieval_records import plant_repeats
+
+    ids = tok.encode(held).ids[:1024]
+    out, mask = plant_repeats(ids, random.Random(4), n_spans=3, lo=8, hi=16)
+    assert len(out) == len(mask) == 1024 and 3 * 7 >= sum(mask) >= 7  # at most 3 spans of 8-16, minus each first
+    i = mask.index(True)  # the first marked token continues a copy of an earlier span: its context occurs before
+    assert any(out[j:j + 2] == out[i - 1:i + 1] for j in range(i - 1))
+    with pytest.raises(ValueError, match="too short"):
+        plant_repeats(ids[:40], random.Random(0), 1, hi=16)
