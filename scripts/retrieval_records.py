@@ -171,6 +171,25 @@ def plant_repeats(window_ids: Sequence[int], rng: random.Random, n_spans: int, l
     return ids, mask
 
 
+def repeated_random(stream: Sequence[int], length: int, rng: random.Random, lo: int = 8,
+                    hi: int | None = None) -> tuple[list[int], list[bool]]:
+    """A window of `length` tokens: one sequence of lo..hi tokens drawn at random positions of `stream` (so with
+    the text's unigram frequencies, in no order) repeated until the window is full. Nothing but copying from the
+    earlier repeat predicts a token after the first repeat, so this is the plainest induction-head task (the
+    "repeated random tokens" probe of Olsson et al. 2022, arXiv 2209.11895, used as training data).
+
+    Returns (ids, mask): mask[i] is True for every token after the first repeat. hi defaults to length // 2.
+    Raises ValueError if length < 2 * lo.
+    """
+    hi = length // 2 if hi is None else hi
+    if length < 2 * lo or hi < lo:
+        raise ValueError(f"a window of {length} tokens is too short for repeats of {lo}..{hi} tokens")
+    m = rng.randint(lo, hi)
+    seq = [int(stream[rng.randrange(len(stream))]) for _ in range(m)]
+    ids = (seq * (length // m + 1))[:length]
+    return ids, [i >= m for i in range(length)]
+
+
 def is_correct(completion: str, answer: str) -> bool:
     """Exact match: the completion, leading whitespace stripped, starts with the answer's digits and the
     next character (if any) is not a digit."""

@@ -189,7 +189,8 @@ def prepare(work, init: str | None = None):
 
 
 def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, retrieval_frac: float = 0.0,
-            answer_weight: float = 1.0, facts_per_1k: float | None = None, induction_frac: float = 0.0):
+            answer_weight: float = 1.0, facts_per_1k: float | None = None, induction_frac: float = 0.0,
+            copy_frac: float = 0.0):
     """Yield micro-batches (x, w) of windows, prose and code alternating row by row (and, with one row per
     micro-batch, micro-batch by micro-batch), uniformly random offsets: x [micro_bs, ctx + 1] int64 and w
     [micro_bs, ctx] float32, the loss weight of each predicted token x[:, 1:] (1, or `answer_weight` for the
@@ -202,8 +203,10 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
     1,024 tokens of window (24 at most; None: 3 in a 1k window, 6 in a 4k one), each asked for at the
     window's end. induction_frac > 0: that share of the windows (others than those) get one copied span of their own text
     (`retrieval_records.plant_repeats`) per 128 tokens, the copies weighted by `answer_weight` too.
+    copy_frac > 0: that share of the windows (others again) are a random token sequence repeated to fill the window
+    (`retrieval_records.repeated_random`): the loss is on the repeats only, which nothing but copying predicts.
     """
-    from retrieval_records import plant_repeats, plant_training_records
+    from retrieval_records import plant_repeats, plant_training_records, repeated_random
 
     n = 0
     while True:
@@ -215,7 +218,7 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
             off = int(torch.randint(0, len(stream) - L - 1, (1,), generator=gen))
             row = stream[off: off + L + 1].long()
             w = torch.ones(L)
-            u = float(torch.rand((), generator=gen)) if retrieval_frac > 0 or induction_frac > 0 else 1.0
+            u = float(torch.rand((), generator=gen)) if retrieval_frac + induction_frac + copy_frac > 0 else 1.0
             if u < retrieval_frac:
                 rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
                 n_facts = (max(1, min(6, L // 340)) if facts_per_1k is None  # 3 in a 1k window, 6 in a 4k one
@@ -228,6 +231,11 @@ def batches(data, micro_bs, gen, ctx: int = CTX, short_ctx: int = 0, tok=None, r
                 ids, mask = plant_repeats(row.tolist(), rng, n_spans=L // 128)
                 row = torch.tensor(ids)
                 w[torch.tensor(mask[1:])] = answer_weight
+            elif u < retrieval_frac + induction_frac + copy_frac:
+                rng = random.Random(int(torch.randint(0, 2**62, (1,), generator=gen)))
+                ids, mask = repeated_random(stream, L + 1, rng)
+                row = torch.tensor(ids)
+                w = torch.tensor(mask[1:], dtype=torch.float32)
             rows.append(row)
             weights.append(w)
         n += 1
@@ -248,6 +256,21 @@ def retrieval_probe(model, tok, text: str, contexts, per_cell: int = 2) -> dict:
             acc.setdefault(r.context, []).append(is_correct(tok.decode(out[0, len(r.prompt_ids):].tolist()), r.answer))
     model.train(was)
     return {c: round(sum(v) / len(v), 3) for c, v in acc.items()}
+
+
+def induction_probe(model, n: int = 4, m: int = 100) -> tuple[float, float]:
+    """(first copy, second copy) mean next-token loss in nats of `model` on n random token sequences of m tokens
+    repeated once (Olsson et al. 2022's induction-head probe): a model that copies reads the second far lower."""
+    was = model.training
+    model.eval()
+    r = torch.randint(100, model.config.vocab_size, (n, m), generator=torch.Generator().manual_seed(0))
+    x = torch.cat([r, r], 1)
+    with torch.no_grad():
+        lg = model(input_ids=x).logits
+    ce = torch.nn.functional.cross_entropy(lg[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten(),
+                                           reduction="none").view(n, -1)
+    model.train(was)
+    return round(ce[:, :m - 1].mean().item(), 3), round(ce[:, m:].mean().item(), 3)
 
 
 def routing_losses(router_logits, B: int, L: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,6 +371,8 @@ def main():
                          "unset: 3 in a 1k window, 6 in a 4k one)")
     ap.add_argument("--induction-frac", type=float, default=0.0,
                     help="share of windows with copied spans of their own text (induction-head curriculum)")
+    ap.add_argument("--copy-frac", type=float, default=0.0,
+                    help="share of windows that are a random token sequence repeated (induction-head curriculum)")
     ap.add_argument("--probe-every", type=int, default=0, help="print a retrieval probe every N steps (0: never)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -409,7 +434,7 @@ def main():
 
     tok = Tokenizer.from_file(os.path.join(args.work_dir, "tokenizer.json"))
     it = batches(data, args.micro_bs, gen, args.ctx, args.short_ctx, tok, args.retrieval_frac, args.answer_weight,
-                 args.facts_per_1k, args.induction_frac)
+                 args.facts_per_1k, args.induction_frac, args.copy_frac)
     sticky = StickyRouting(model, args.sticky_margin) if args.sticky_frac > 0 else None
     micro = step * args.accum
     model.train()
@@ -452,8 +477,8 @@ def main():
             if sticky is not None:
                 sticky.shape = None  # the probe's generate() runs the model's own routing on its own shapes
             ctxs = sorted({min(1024, args.ctx), args.ctx})
-            print(f"step {step} retrieval probe {retrieval_probe(model, tok, data['heldout']['prose'], ctxs)}",
-                  flush=True)
+            print(f"step {step} retrieval probe {retrieval_probe(model, tok, data['heldout']['prose'], ctxs)} "
+                  f"induction (first, second copy) {induction_probe(model)}", flush=True)
         if time.time() - last_ck > args.ckpt_minutes * 60 or step == total_steps:
             save(); last_ck = time.time()
     print("training done", flush=True)
@@ -498,7 +523,8 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
                     sticky_frac=args.sticky_frac, sticky_margin=args.sticky_margin, context=args.ctx,
                     rope_theta=model.config.rope_parameters["rope_theta"], short_ctx=args.short_ctx,
                     retrieval_frac=args.retrieval_frac, answer_weight=args.answer_weight,
-                    facts_per_1k=args.facts_per_1k, induction_frac=args.induction_frac)
+                    facts_per_1k=args.facts_per_1k, induction_frac=args.induction_frac,
+                    copy_frac=args.copy_frac)
         summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)

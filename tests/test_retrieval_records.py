@@ -90,3 +90,15 @@ def test_repeats_copy_earlier_spans_and_mark_the_predictable_tokens(tok, held):
     assert any(out[j:j + 2] == out[i - 1:i + 1] for j in range(i - 1))
     with pytest.raises(ValueError, match="too short"):
         plant_repeats(ids[:40], random.Random(0), 1, hi=16)
+
+
+def test_repeated_random_repeats_one_sequence_and_masks_all_but_the_first_copy(tok, held):
+    from scripts.retrieval_records import repeated_random
+
+    stream = tok.encode(held).ids
+    ids, mask = repeated_random(stream, 257, random.Random(3), lo=8, hi=40)
+    m = mask.index(True)
+    assert len(ids) == len(mask) == 257 and 8 <= m <= 40 and not any(mask[:m]) and all(mask[m:])
+    assert all(ids[i] == ids[i - m] for i in range(m, 257)) and set(ids) <= set(stream)
+    with pytest.raises(ValueError, match="too short"):
+        repeated_random(stream, 15, random.Random(0), lo=8)
