@@ -32,7 +32,8 @@ class GatingConfig:
 
     policy: str = "exact"
     backend: str = "torch"  # fused selection kernel: "torch" (reference) | "triton"
-    balance_rate: float = 2e-3  # u, in score (probability) units per update (one update per step)
+    balance_rate: float = 2e-3  # u, in score (probability) units per bias step
+    balance_tokens: int = 64  # a step's bias moves ceil(tokens / balance_tokens) * u (tokens over the EP group)
     capacity_factor: float = 1.25
     top_p: float = 0.6
     k_min: int = 1
@@ -49,13 +50,13 @@ class GatingConfig:
             raise ValueError(f"gating policy={self.policy!r} must be one of {', '.join(POLICIES)}")
         if self.backend not in ("torch", "triton"):
             raise ValueError(f"gating backend={self.backend!r} must be torch or triton")
-        checks = {"balance_rate": self.balance_rate >= 0,
+        checks = {"balance_rate": self.balance_rate >= 0, "balance_tokens": self.balance_tokens >= 1,
                   "capacity_factor": self.capacity_factor >= 1.0, "top_p": 0 < self.top_p <= 1,
                   "k_min": self.k_min >= 1, "velocity_beta": 0 <= self.velocity_beta < 1,
                   "velocity_k": self.velocity_k >= 1, "velocity_shared_boost": self.velocity_shared_boost >= 0,
                   "sticky_margin": self.sticky_margin >= 0,
                   "velocity_slow": 0 <= self.velocity_slow <= self.velocity_fast}
-        limits = {"balance_rate": ">= 0", "capacity_factor": ">= 1.0",
+        limits = {"balance_rate": ">= 0", "balance_tokens": ">= 1", "capacity_factor": ">= 1.0",
                   "top_p": "in (0, 1]", "k_min": ">= 1", "velocity_beta": "in [0, 1)", "velocity_k": ">= 1",
                   "velocity_shared_boost": ">= 0", "sticky_margin": ">= 0",
                   "velocity_slow": "in [0, velocity_fast]"}

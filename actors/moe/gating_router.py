@@ -7,8 +7,10 @@ and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than
   The default, and the reference the others are measured against.
 - `balanced`: auxiliary-loss-free bias balancing (DeepSeek-V3, arXiv 2412.19437; Loss-Free Balancing,
   arXiv 2408.15664). A per-layer, per-expert bias b is added to the scores for selection only; once per
-  step, b_i += u * sign(mean load - load_i) over that step's load of the layer's `balanced` tokens summed over
-  the EP group (`take_balance_load` on every rank, summed, then `update_bias` on every rank: the engine at
+  step, b_i += n * u * sign(mean load - load_i) over that step's load of the layer's `balanced` tokens summed over
+  the EP group, n = ceil(tokens / `balance_tokens`) with tokens the layer's `balanced` tokens in that load (so a
+  512-token prefill step moves the bias as far as 8 decode steps of 64 tokens; the papers step once per
+  training batch of far more tokens than a serving step holds) (`take_balance_load` on every rank, summed, then `update_bias` on every rank: the engine at
   world size 1, the lockstep agreement otherwise), so every rank holds the same bias after every step and a
   token's experts depend on the traffic balanced over, never on how it is split over ranks. Weights stay the
   unbiased scores. Selection runs in the fused kernel.
@@ -155,11 +157,13 @@ class GatingRouter:
 
     def update_bias(self, load_LE: torch.Tensor) -> None:
         """One bias step from a step's `balanced` load summed over the EP group (the sum of every rank's
-        `take_balance_load`, zeros for a rank that had none): b_l += u * sign(mean_e load_l - load_l) for each
-        layer l with any load; other layers keep their bias. load_LE: [L, E] integer counts, any device."""
+        `take_balance_load`, zeros for a rank that had none): b_l += n_l * u * sign(mean_e load_l - load_l) for
+        each layer l with any load, n_l = ceil(tokens_l / balance_tokens) and tokens_l = sum_e load_l / top_k
+        (every `balanced` token takes top_k experts); other layers keep their bias. load_LE: [L, E] integer
+        counts, any device. The result depends on the summed load only, so it is the same on every rank."""
         load = load_LE.to(self.device, torch.float32)
-        step = self.cfg.balance_rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
-        self.bias += torch.where(load.sum(dim=1, keepdim=True) > 0, step, 0.0)
+        n = torch.ceil(load.sum(dim=1, keepdim=True) / (self.K * self.cfg.balance_tokens))  # 0 for an idle layer
+        self.bias += n * self.cfg.balance_rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
 
     def _capacity(self, logits: torch.Tensor) -> Routing:
         T, E, K = logits.shape[0], self.E, self.K

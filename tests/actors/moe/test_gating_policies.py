@@ -85,7 +85,8 @@ def test_balanced_flattens_a_skewed_load_and_keeps_unbiased_weights():
 
 
 def test_balanced_bias_step_is_the_sign_rule_on_the_summed_load():
-    """update_bias: b += u * sign(mean - load) per layer with load; a layer without load keeps its bias;
+    """update_bias: b += ceil(tokens / balance_tokens) * u * sign(mean - load) per layer with load (tokens =
+    load / top_k); a layer without load keeps its bias;
     take_balance_load counts this router's balanced selections since the last take, then restarts."""
     r = make_router("balanced", balance_rate=0.5)
     assert r.take_balance_load() is None
@@ -100,6 +101,12 @@ def test_balanced_bias_step_is_the_sign_rule_on_the_summed_load():
     b = torch.full((E,), 0.5)
     b[1] = b[6] = -0.5
     assert torch.equal(r.bias, torch.stack([torch.zeros(E), b]))
+    big = torch.zeros(2, E, dtype=torch.int64)  # 130 tokens x top-2 on layer 0: ceil(130 / 64) = 3 steps of u
+    big[0, 0], big[0, 3] = 130, 130
+    r.update_bias(big)
+    b0 = torch.full((E,), 1.5)
+    b0[0] = b0[3] = -1.5
+    assert torch.equal(r.bias, torch.stack([b0, b]))
 
 
 def test_balanced_is_the_same_however_the_tokens_are_split_over_ranks():
