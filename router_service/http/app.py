@@ -37,12 +37,12 @@ from router_service.grpc.rpc import api_key_ok, params_error_field
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, ModelCard, SamplingFields
 from router_service.http.serving import OpenAIServer, RequestTimedOut, _Reject, error_response, model_not_found
 from router_service.http.structured import tool_call_choice, tool_mode
+from router_service.request_timeout import REQUEST_TIMEOUT_S
 from router_service.router import Router
 from router_service.stream import RequestStream
 
 log = logging.getLogger("moeray.http")
 
-REQUEST_TIMEOUT_S = 600.0  # default of `create_app` and --request-timeout-s: seconds a request may generate
 MAX_BODY_BYTES = 4 << 20  # request bodies above this get 413 unparsed (default of `create_app` and --max-body-bytes)
 _UNION_MEMBER = re.compile(r"(str|int|float|bool|none|nullable|(list|dict|literal|function-\w+)\[.*\]|[A-Z]\w*)")
 

@@ -18,6 +18,7 @@ from actors.engine.sampling import (LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, MAX_LOGPRO
 from actors.moe.gating import POLICIES
 from router_service.errors import InvalidRequestError
 from router_service.http.structured import StructuredFields, ToolFields
+from router_service.request_timeout import REQUEST_TIMEOUT_S
 
 MAX_N = 8  # completions per prompt at most (`n`, and `best_of`, which must equal it)
 MAX_PROMPTS = 256  # prompts in one /v1/completions call at most
@@ -326,8 +327,8 @@ class ServeAppArgs(BaseModel):
         listener`: uvicorn in the replica, SO_REUSEPORT, so replicas of one node share the port), besides
         answering through Serve's HTTP proxy; `moeray serve` uses it and starts no proxy (`--http-via replica`).
     max_body_bytes: HTTP request bodies above this get 413 before they are parsed (default 4 MiB).
-    request_timeout_s: an HTTP request still generating after this many seconds is stopped with 504 (default 600;
-        None: no limit).
+    request_timeout_s: a request still generating after this many seconds is aborted on its rank: HTTP 504, gRPC
+        DEADLINE_EXCEEDED, proxied or on the replica's own server (default 600; None: no limit).
     cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
     """
 
@@ -344,6 +345,6 @@ class ServeAppArgs(BaseModel):
     grpc_host: str = "127.0.0.1"
     http_port: int | None = Field(None, ge=0, le=65535)
     max_body_bytes: int = Field(4 << 20, ge=0)
-    request_timeout_s: float | None = Field(600.0, gt=0)
+    request_timeout_s: float | None = Field(REQUEST_TIMEOUT_S, gt=0)
     http_host: str = "127.0.0.1"
     cluster_options: dict = Field(default_factory=dict)

@@ -28,6 +28,7 @@ from router_service.http.logprobs import ChoiceView, TokenTexts
 from router_service.http.models import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router_service.http.structured import request_grammar
 from router_service.metrics import Metrics
+from router_service.request_timeout import RequestTimedOut, check_request_timeout
 from router_service.router import Router
 from router_service.stream import LoopMailbox, RequestStream
 
@@ -55,22 +56,17 @@ class _Reject(Exception):
         self.response, self.reason = response, reason
 
 
-class RequestTimedOut(Exception):
-    """A request ran past the server's request timeout (`OpenAIServer.request_timeout_s`): HTTP 504."""
-
-
 class OpenAIServer:
     """Request handling over a `Router` (no HTTP framework in here, so handlers stay testable).
 
     request_timeout_s: a request still generating after this many seconds is stopped (aborted on its rank) and
-    answered 504 (in-band for a stream): no client waits forever on a server that cannot answer (None: no limit).
+    answered 504 (in-band for a stream): no client waits forever on a server that cannot answer (None: no limit;
+    see `router_service.request_timeout`, the rule gRPC shares).
     """
 
     def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None,
                  chat_template: ChatTemplate | None = None, request_timeout_s: float | None = None):
-        if request_timeout_s is not None and not request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s={request_timeout_s} must be > 0 (or None: no limit)")
-        self.request_timeout_s = request_timeout_s
+        self.request_timeout_s = check_request_timeout(request_timeout_s)
         self.router = router
         self.model_name = served_model_name(router, model_name)
         self.api_key = api_key or None
@@ -188,8 +184,7 @@ class OpenAIServer:
             while left:
                 i, o = await aq.get()
                 if o is None:
-                    raise RequestTimedOut(f"the request ran past the server's request timeout ({T:g} s, "
-                                          f"--request-timeout-s) and was stopped")
+                    raise RequestTimedOut(T)
                 timer.observe(i, o.token_ids, o.finish_reason)
                 if o.finish_reason is not None:
                     left -= 1

@@ -387,7 +387,7 @@ def test_a_request_past_the_timeout_gets_504_and_is_aborted(tiny_moe_dir):
     with TestClient(create_app(router, model_name=MODEL, request_timeout_s=0.2)) as c:
         r = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
-        assert "request timeout (0.2 s" in r.json()["error"]["message"]
+        assert "request timeout of 0.2 s" in r.json()["error"]["message"]
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
         events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
         assert r.status_code == 200 and json.loads(events[-2])["error"]["code"] == 504 and events[-1] == "[DONE]"
