@@ -49,6 +49,7 @@ class GenerateCall:
         self.completion = [0] * len(self.streams)  # tokens streamed so far, per output
         self._left = len(self.streams)
         self._aborted = False
+        self._closed = False  # close() ran: the unfinished requests were aborted (once)
         self._lock = threading.Lock()
         self._finished = threading.Event()
 
@@ -88,8 +89,15 @@ class GenerateCall:
                 self._end("CANCELLED" if self._aborted else "OK")
         return resp
 
-    def close(self) -> None:
-        self._end("CANCELLED")  # unless already ended: the call ended early (cancel, disconnect or deadline)
+    def close(self, code: str = "CANCELLED") -> None:
+        """End the call: abort every request not finished on its rank, and count the end status `code` unless
+        the call already ended (CANCELLED: cancel, disconnect or a client deadline; DEADLINE_EXCEEDED: the
+        server's request timeout, `router_service.request_timeout`)."""
+        self._end(code)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for s in self.streams:  # none after a normal end; the other prompts after an error or an early end
             if not s.done.is_set():
                 self.router.abort(s.request_id)

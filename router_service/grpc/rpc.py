@@ -11,6 +11,9 @@ The transports (see `router_service/proto/moeray/v1/moeray.proto` for the servic
 What both guarantee (the logic here is what makes it so):
 - a call that ends early (client cancel, disconnect, deadline) aborts its request on its rank at once,
   so its KV blocks are freed without waiting for the next token (`GenerateCall.close`);
+- a Generate still generating past the server's request timeout (`request_timeout_s`, default 600 s,
+  `--request-timeout-s`; `router_service.request_timeout`, HTTP's 504 rule) is aborted on its rank the same way
+  and ends with DEADLINE_EXCEEDED naming the limit; a client's own shorter deadline ends it first, as before;
 - bad input -> INVALID_ARGUMENT whose message starts with the field (`max_tokens: max_tokens=5000
   exceeds the context window ...`); an unserved `model` -> NOT_FOUND (HTTP's 404 model_not_found); queue limit
   -> RESOURCE_EXHAUSTED; a rank failure -> UNAVAILABLE (retriable);

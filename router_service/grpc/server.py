@@ -5,6 +5,11 @@ server reflection, and a `main` that runs it alone.
 `moeray serve` uses it (in its own process with `--http-port 0`, else inside the Serve replica) because it
 binds the host it is given (127.0.0.1 by default), while Serve 2.60's gRPC proxy always binds every interface.
 
+A Generate call still generating `request_timeout_s` (default 600 s, `--request-timeout-s`) after it was
+admitted is aborted on its rank at once (as a client cancel: KV blocks freed) and ends with DEADLINE_EXCEEDED,
+`the request ran past the server's request timeout of 600 s (--request-timeout-s) and was stopped`
+(`router_service.request_timeout`, HTTP's 504 rule); a client's own shorter deadline ends it first, as before.
+
 The standalone server admits `max_queue + CONTROL_HEADROOM` concurrent calls (one thread each), so the
 router's queue limit, not the thread pool, decides when Generate gets RESOURCE_EXHAUSTED.
 
@@ -18,6 +23,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -26,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from router_service.grpc.rpc import GenerateCall, MoerayRpc, RpcError
 from router_service.proto.moeray.v1 import moeray_pb2 as pb
 from router_service.proto.moeray.v1 import moeray_pb2_grpc as pb_grpc
+from router_service.request_timeout import REQUEST_TIMEOUT_S, RequestTimedOut, check_request_timeout
 from router_service.router import Router
 
 log = logging.getLogger("moeray.grpc")
@@ -39,10 +46,16 @@ class MoerayServicer(pb_grpc.MoerayServicer):
     """`moeray.v1.Moeray` for a `grpc.server` (the standalone server): `MoerayRpc` plus
     `context.abort` for errors and `context.add_callback` for calls that end early.
 
-    Args: as `MoerayRpc`.
+    Args: as `MoerayRpc`, plus request_timeout_s: a Generate call still generating this many seconds after it was
+        admitted is aborted on its rank and ends with DEADLINE_EXCEEDED (None: no limit).
+
+    Raises:
+        ValueError: request_timeout_s <= 0 (`request_timeout_s=0 must be > 0 ...`).
     """
 
-    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None, metrics=None):
+    def __init__(self, router: Router, model_name: str | None = None, api_key: str | None = None, metrics=None,
+                 request_timeout_s: float | None = REQUEST_TIMEOUT_S):
+        self.request_timeout_s = check_request_timeout(request_timeout_s)
         self.rpc = MoerayRpc(router, model_name, api_key, metrics)
         self.router, self.model_name, self.api_key = router, self.rpc.model_name, self.rpc.api_key
 
@@ -59,13 +72,19 @@ class MoerayServicer(pb_grpc.MoerayServicer):
         if not context.add_callback(call.close):  # the call already ended while we submitted
             call.close()
             return
+        T = self.request_timeout_s
+        end_at = None if T is None else time.monotonic() + T  # the server's request timeout, from admission
         outs: queue.Queue = queue.Queue()  # (prompt index, output) of every prompt of the call
         for i, s in enumerate(call.streams):
             s.attach_queue(outs, i)
         try:
             while True:
+                left = _LIVENESS_S if end_at is None else min(_LIVENESS_S, end_at - time.monotonic())
+                if left <= 0:  # past the request timeout: abort on the ranks now (as a cancel), then end the call
+                    call.close("DEADLINE_EXCEEDED")
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(RequestTimedOut(T)))  # raises
                 try:
-                    i, o = outs.get(timeout=_LIVENESS_S)
+                    i, o = outs.get(timeout=left)
                 except queue.Empty:
                     if not context.is_active():
                         return
@@ -152,10 +171,16 @@ class GrpcServer:
 
 
 def start_grpc_server(router: Router, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                      model_name: str | None = None, max_concurrency: int | None = None, metrics=None) -> GrpcServer:
+                      model_name: str | None = None, max_concurrency: int | None = None, metrics=None,
+                      request_timeout_s: float | None = REQUEST_TIMEOUT_S) -> GrpcServer:
     """Serve `router` over gRPC; returns the started server (see `GrpcServer` for `max_concurrency`; `metrics`:
-    see `MoerayRpc`)."""
-    return GrpcServer(MoerayServicer(router, model_name, api_key, metrics), host, port, max_concurrency)
+    see `MoerayRpc`; `request_timeout_s`: see `MoerayServicer`).
+
+    Raises:
+        ValueError: request_timeout_s <= 0 or max_concurrency < 1. RuntimeError: the address cannot be bound.
+    """
+    servicer = MoerayServicer(router, model_name, api_key, metrics, request_timeout_s)
+    return GrpcServer(servicer, host, port, max_concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-queue", type=int, default=256, help="requests in flight before RESOURCE_EXHAUSTED")
     ap.add_argument("--max-concurrency", type=int, default=None,
                     help=f"concurrent calls (threads) at most; default --max-queue + {CONTROL_HEADROOM}")
+    ap.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S,
+                    help=f"a Generate call still generating after this many seconds is aborted with "
+                         f"DEADLINE_EXCEEDED (default {REQUEST_TIMEOUT_S:g})")
     a = ap.parse_args(argv)
+    if not a.request_timeout_s > 0:
+        ap.error(f"--request-timeout-s={a.request_timeout_s} must be > 0")
     logging.basicConfig(level=os.environ.get("MOERAY_LOG", "INFO"))
     cfg = ClusterConfig.auto(model=a.model, **({"ranks": a.ranks} if a.ranks else {}))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     router = Router(EPCluster(cfg), max_queue=a.max_queue)
-    server = start_grpc_server(router, a.host, a.port, a.api_key, max_concurrency=a.max_concurrency)
+    server = start_grpc_server(router, a.host, a.port, a.api_key, max_concurrency=a.max_concurrency,
+                               request_timeout_s=a.request_timeout_s)
     print(f"moeray gRPC on {server.address}", flush=True)
     # a KeyboardInterrupt does not reach a main thread parked in wait_for_termination: wait on signals
     stop = threading.Event()

@@ -22,6 +22,7 @@ from router_service.grpc.rpc import MoerayRpc, RpcError
 from router_service.http.app import create_app
 from router_service.http.models import ServeAppArgs
 from router_service.http.serving import OpenAIServer
+from router_service.request_timeout import RequestTimedOut
 from router_service.router import Router
 
 log = logging.getLogger("moeray.http")
@@ -54,9 +55,10 @@ def resolve_args(args: ServeAppArgs) -> dict:
 
 
 # Status codes that mean "the client asked for something wrong or was refused", not a server fault
+# (DEADLINE_EXCEEDED: a call ran past the server's request timeout, an expected end, not a fault)
 CLIENT_ERROR_CODES = frozenset(getattr(grpc.StatusCode, n) for n in (
     "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION", "UNAUTHENTICATED",
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"))
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"))
 
 
 class ClientErrorLogFilter(logging.Filter):
@@ -109,6 +111,9 @@ if serve is not None:
           cancelling the Generate call itself always reaches the right one;
         - optionally the replica's own HTTP listener (`args.http_port`, `router_service.serve.listener`): the same
           app without the proxy hop per SSE event; `moeray serve` serves HTTP this way;
+        - the request timeout (`args.request_timeout_s`, `router_service.request_timeout`) on every path: HTTP
+          504; a Generate, proxied or on the replica's own server, still generating past it is aborted on its
+          rank and ends with DEADLINE_EXCEEDED naming the limit;
         - optionally the replica's own gRPC server (`args.grpc_port`), kept for `moeray serve`: Serve 2.60's
           gRPC proxy binds every interface (`[::]`, no host option), the replica's server binds `grpc_host`
           (127.0.0.1 by default). One port per replica, so use it with a single replica.
@@ -144,7 +149,8 @@ if serve is not None:
                 from router_service.grpc.server import start_grpc_server
 
                 self.grpc = start_grpc_server(self.router, self.args.grpc_host, self.args.grpc_port, self.api_key,
-                                              self.args.served_model_name, metrics=self.http.metrics)
+                                              self.args.served_model_name, metrics=self.http.metrics,
+                                              request_timeout_s=self.args.request_timeout_s)
             self.listener = None
             if self.args.http_port is not None:  # HTTP straight from this replica (no proxy hop per event)
                 from router_service.serve.listener import HTTPListener
@@ -168,19 +174,24 @@ if serve is not None:
         async def Generate(self, request, grpc_context):
             """Server-streaming `Generate`: one `GenerateResponse` per output. A client that cancels,
             disconnects or passes its deadline cancels this generator (Serve raises CancelledError in it),
-            and `call.close()` aborts the request on its rank."""
+            and `call.close()` aborts the request on its rank. Past the server's request timeout (HTTP's rule,
+            `self.http.outputs`) the request is aborted on its rank and the call ends with DEADLINE_EXCEEDED."""
             call = await self._unary(grpc_context, self.rpc.start, request, grpc_context.invocation_metadata(),
                                      False, auth=False)  # authorized and counted by start; timed by outputs
             try:
                 async with aclosing(self.http.outputs(call.streams, "grpc")) as outs:  # shares the latency metrics
-                    async for i, o in outs:
-                        try:
-                            resp = call.response(o, i)
-                        except RpcError as e:
-                            _fail(grpc_context, e)
-                        yield resp
-                        if call.finished:
-                            return
+                    try:
+                        async for i, o in outs:
+                            try:
+                                resp = call.response(o, i)
+                            except RpcError as e:
+                                _fail(grpc_context, e)
+                            yield resp
+                            if call.finished:
+                                return
+                    except RequestTimedOut as e:  # `outputs` already aborted the requests on their ranks
+                        call.close("DEADLINE_EXCEEDED")
+                        _fail(grpc_context, RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, str(e)))
             finally:
                 call.close()
 

@@ -230,6 +230,18 @@ def test_deadline_aborts_and_frees_kv(stub, llm):
     _free_after_idle(llm)
 
 
+def test_server_request_timeout_aborts_and_frees_kv(llm):
+    srv = start_grpc_server(llm.router, port=0, request_timeout_s=0.2)  # the client's own deadline is 60 s
+    try:
+        with grpc.insecure_channel(srv.address) as ch, pytest.raises(grpc.RpcError) as ei:
+            gen(pb_grpc.MoerayStub(ch), max_tokens=240, temperature=0.0, ignore_eos=True)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "request timeout of 0.2 s (--request-timeout-s)" in ei.value.details()
+        _free_after_idle(llm)  # aborted on its rank: nothing in flight, every KV block free
+    finally:
+        srv.stop()
+
+
 def test_cancel_rpc(stub, llm):
     responses = []
     call = stub.Generate(pb.GenerateRequest(request_id="cancel-me", text=PROMPT, sampling=pb.SamplingParams(
