@@ -9,6 +9,7 @@ Serve's HTTP proxy), and the gRPC server runs in that replica too, sharing its r
 process (a standalone server). `--grpc-proxy` answers gRPC through Ray Serve's own gRPC proxy instead
 (the path deploy/serve_config.yaml uses), which binds every interface whatever --host says (Serve 2.60
 has no host option for it). The gRPC server admits --max-queue streams plus a few control calls.
+--request-timeout-s holds on every server this starts: HTTP 504, gRPC Generate DEADLINE_EXCEEDED (aborted on its rank).
 The API key, if any, comes from --api-key or $MOERAY_API_KEY.
 
 Ray token authentication: when this command starts its own local Ray (no --address / $RAY_ADDRESS, or
@@ -46,8 +47,9 @@ def add_parser(sub) -> None:
                         "4096 at max_model_len 1024)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
-    p.add_argument("--request-timeout-s", type=float, default=600.0,
-                   help="an HTTP request still generating after this many seconds is stopped with 504 (default 600)")
+    p.add_argument("--request-timeout-s", type=float, default=ServeAppArgs.model_fields["request_timeout_s"].default,
+                   help="a request still generating after this many seconds is aborted: HTTP 504, gRPC "
+                        "DEADLINE_EXCEEDED, on every server this starts (default 600)")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--detach", action="store_true",
@@ -331,7 +333,8 @@ def _grpc_only(a, api_key: str | None) -> int:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
     try:
-        server = start_grpc_server(llm.router, a.host, a.grpc_port, api_key, a.served_model_name)
+        server = start_grpc_server(llm.router, a.host, a.grpc_port, api_key, a.served_model_name,
+                                   request_timeout_s=a.request_timeout_s)
     except RuntimeError as e:
         llm.shutdown()
         print(f"moeray: error: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ from moeray.cli import main
     (["--gating-option", "bogus=1"], "unknown gating option(s) ['bogus']"),
     (["--gating", "sticky", "--gating-option", "sticky_margin=-1"], "sticky_margin=-1"),
     (["--max-num-batched-tokens", "8"], "--max-num-batched-tokens=8 must be >= --max-num-seqs=64"),
+    (["--request-timeout-s", "0"], "--request-timeout-s=0.0 must be > 0"),
 ])
 def test_bad_arguments_exit_2(tiny_model_dir, capsys, argv, msg):
     model = ["--model", tiny_model_dir("qwen2_moe")] if "--model" not in argv else []
@@ -94,3 +95,28 @@ def test_a_busy_port_exits_2_before_ray(tiny_model_dir, capsys, monkeypatch, fla
     err = capsys.readouterr().err
     assert f"{flag}={port}: cannot listen on 127.0.0.1:{port}" in err
     assert ray.is_initialized() == was_up  # refused before Ray
+
+
+def test_request_timeout_reaches_the_grpc_only_server(tiny_model_dir, monkeypatch):
+    """`--request-timeout-s` reaches the gRPC server `--http-port 0` runs in this process, not only HTTP (the Serve
+    replica gets it through `ServeAppArgs.request_timeout_s`)."""
+    import moeray.api
+    import moeray.cli_serve as cli_serve
+    import router_service.grpc.server as grpc_server
+
+    class FakeLLM:
+        def __init__(self, **kw):
+            self.router = "router"
+
+        def shutdown(self):
+            pass
+
+    seen: dict = {}
+    server = type("FakeServer", (), {"address": "127.0.0.1:1", "stop": lambda self: None})()
+    monkeypatch.setattr(moeray.api, "LLM", FakeLLM)
+    monkeypatch.setattr(grpc_server, "start_grpc_server", lambda *a, **kw: seen.update(kw) or server)
+    monkeypatch.setattr(cli_serve, "_wait_for_signal", lambda: None)
+    monkeypatch.setattr(cli_serve, "owns_local_ray", lambda address: False)  # no local Ray, no port probe
+    argv = ["serve", "--model", tiny_model_dir("qwen2_moe"), "--http-port", "0", "--request-timeout-s", "7.5"]
+    assert main(argv) == 0
+    assert seen["request_timeout_s"] == 7.5
