@@ -13,6 +13,8 @@ from actors.model.config import ModelConfig
 _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 # Ray placement-group strategies for the rank bundles (trade-off: README "Several machines", `moeray generate --help`)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+# with ranks_per_node the bundles are node groups of N ranks: only strategies that put them on distinct nodes
+NODE_GROUP_STRATEGIES = ("STRICT_SPREAD", "SPREAD")
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -25,6 +27,12 @@ class ClusterConfig:
     kv_cache_bytes: KV budget per rank (bytes). pg_timeout_s: process-group timeout (<= 10 s).
     placement_strategy: the rank placement group's Ray strategy, one of PLACEMENT_STRATEGIES (PACK: as few
     nodes as possible; SPREAD: across nodes, soft; STRICT_SPREAD: one rank per node; STRICT_PACK: one node).
+    None (the default) resolves here to PACK, or to STRICT_SPREAD with ranks_per_node.
+    ranks_per_node: N ranks on each node (None: no grouping, one bundle per rank). ranks must be a multiple of N;
+    the placement group is then ranks / N bundles of N x the per-rank resources (`cluster.node_groups`), and
+    placement_strategy applies to those node groups: STRICT_SPREAD (the default) puts them on ranks / N distinct
+    nodes or waits; SPREAD on distinct nodes where possible (two groups may share a node, e.g. after a node loss).
+    PACK / STRICT_PACK with ranks_per_node are a ValueError (they would stack groups on one node).
     """
 
     model: str = DEFAULT_MODEL
@@ -39,7 +47,8 @@ class ClusterConfig:
     num_gpus_per_rank: float = 0.0
     num_threads_per_rank: int = 1
     pg_timeout_s: float = 10.0
-    placement_strategy: str = "PACK"
+    placement_strategy: str | None = None  # resolved in __post_init__: PACK, or STRICT_SPREAD with ranks_per_node
+    ranks_per_node: int | None = None
     # every routed expert on two ranks (`cluster.placement.redundant_placement`): the loss of one rank leaves the
     # survivors serving (elastic EP, `EPCluster.shrink`) instead of a whole-group rebuild; costs expert memory
     redundant_experts: bool = False
@@ -60,9 +69,7 @@ class ClusterConfig:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"placement_strategy={self.placement_strategy!r} must be one of "
-                             f"{', '.join(PLACEMENT_STRATEGIES)}")
+        self.placement_strategy = resolve_placement(self.ranks, self.ranks_per_node, self.placement_strategy)
         if self.redundant_experts and self.ranks < 2:
             raise ValueError(f"redundant_experts needs ranks >= 2 (every expert on two ranks), got ranks={self.ranks}")
         if self.transport not in ("auto", "torch"):
@@ -109,3 +116,25 @@ def check_prefix_routing(imbalanced_threshold: float, match_rate_threshold: floa
         raise ValueError(f"prefix_routing_imbalanced_threshold={imbalanced_threshold} must be >= 0 (requests)")
     if not 0 <= match_rate_threshold <= 1:
         raise ValueError(f"prefix_routing_match_rate_threshold={match_rate_threshold} must be in [0, 1]")
+
+
+def resolve_placement(ranks: int, ranks_per_node: int | None, placement_strategy: str | None) -> str:
+    """The rank placement group's strategy for these ClusterConfig fields: placement_strategy if given, else PACK,
+    or STRICT_SPREAD with ranks_per_node (node groups on distinct nodes).
+
+    Raises ValueError (naming the fields) on a strategy not in PLACEMENT_STRATEGIES, ranks_per_node < 1, ranks
+    not a multiple of ranks_per_node, or ranks_per_node with a strategy not in NODE_GROUP_STRATEGIES."""
+    if placement_strategy is not None and placement_strategy not in PLACEMENT_STRATEGIES:
+        raise ValueError(f"placement_strategy={placement_strategy!r} must be one of {', '.join(PLACEMENT_STRATEGIES)}")
+    if ranks_per_node is None:
+        return placement_strategy or "PACK"
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 (or unset)")
+    if ranks % ranks_per_node:
+        raise ValueError(f"ranks={ranks} must be a multiple of ranks_per_node={ranks_per_node} (that many ranks "
+                         f"on each node)")
+    if placement_strategy not in (None, *NODE_GROUP_STRATEGIES):
+        raise ValueError(f"placement_strategy={placement_strategy!r} with ranks_per_node={ranks_per_node} must be "
+                         f"one of {', '.join(NODE_GROUP_STRATEGIES)} or unset (STRICT_SPREAD): {placement_strategy} "
+                         f"would put several node groups on one node")
+    return placement_strategy or "STRICT_SPREAD"

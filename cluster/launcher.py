@@ -14,6 +14,7 @@ from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
 from cluster.metrics import aggregate_stats
+from cluster.node_groups import bundle_of, describe_unplaced, rank_bundles
 from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
                                shrink_placement)
 
@@ -21,7 +22,8 @@ log = logging.getLogger("moeray.cluster")
 
 
 class EPCluster:
-    """An expert-parallel group: `ranks` RankWorker actors, one per placement-group bundle.
+    """An expert-parallel group: `ranks` RankWorker actors on one placement group: one bundle per rank, or with
+    `ranks_per_node` = N one per node group, rank r in bundle r // N (`cluster.node_groups`).
 
     Raises:
         TimeoutError: the placement group cannot be scheduled within `timeout_s`.
@@ -36,17 +38,14 @@ class EPCluster:
         self.placement = (redundant_placement(mc.num_layers, mc.num_experts, cfg.ranks, dense_layers=self._dense)
                           if cfg.redundant_experts else contiguous_placement(mc.num_layers, mc.num_experts, cfg.ranks))
         self._initial_placement = self.placement  # what a whole-group rebuild (`restart`) starts from
-        bundle = {"CPU": cfg.num_cpus_per_rank}
-        if cfg.num_gpus_per_rank:
-            bundle["GPU"] = cfg.num_gpus_per_rank
-        self.pg = placement_group([dict(bundle) for _ in range(cfg.ranks)], strategy=cfg.placement_strategy)
+        bundles = rank_bundles(cfg.ranks, cfg.num_cpus_per_rank, cfg.num_gpus_per_rank, cfg.ranks_per_node)
+        self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(self.pg)
-            raise TimeoutError(f"placement group of {cfg.ranks} x {bundle} not schedulable within {timeout_s}s "
-                               f"(cluster resources: {ray.cluster_resources()})")
+            raise TimeoutError(describe_unplaced(cfg, timeout_s))
         self.ranks: list = []
-        self.slots: list[int] = []  # each rank's placement-group bundle (= its rank in the whole group)
+        self.slots: list[int] = []  # each rank's rank in the whole group (its bundle: `bundle_of(slot, N)`)
         self.generation = 0
         self._spawn(timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
@@ -69,15 +68,17 @@ class EPCluster:
                         slow)
 
     def _spawn(self, timeout_s: float) -> None:
-        """Start one RankWorker per bundle of `self.pg` under the current placement and join them in a new
-        process group (a fresh rendezvous store, on a port rank 0 holds from the bind on, each time)."""
+        """Start one RankWorker per rank (rank i in bundle `bundle_of(i, N)` of `self.pg`) under the current
+        placement and join them in a new process group (a fresh rendezvous store, on a port rank 0 holds from the
+        bind on, each time)."""
         cfg = self.cfg
         actor_cls = ray.remote(RankWorker)
         self.slots = list(range(cfg.ranks))
         self.ranks = [
             actor_cls.options(
                 num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=bundle_of(i, cfg.ranks_per_node)),
             ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank,
                      cfg.redundant_experts)
             for i in range(cfg.ranks)
@@ -123,7 +124,7 @@ class EPCluster:
         """
         t0 = time.perf_counter()
         self._kill_ranks()
-        self.placement = self._initial_placement  # all cfg.ranks bundles again, even after a `shrink`
+        self.placement = self._initial_placement  # all cfg.ranks ranks again, even after a `shrink`
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             raise TimeoutError(f"placement group not ready within {timeout_s}s after a rank failure")
@@ -179,7 +180,8 @@ class EPCluster:
         return out
 
     def prepare_grow(self, timeout_s: float = 120.0):
-        """Elastic EP, after a `shrink`: start a replacement rank in the lost rank's bundle and read its experts
+        """Elastic EP, after a `shrink`: start a replacement rank in the lost rank's bundle (its node group's with
+        `ranks_per_node`) and read its experts
         (the whole group's placement) while the others keep serving. Returns the handle for `finish_grow`.
         Raises ValueError unless exactly one rank of the whole group is missing."""
         lost = [b for b in range(self.cfg.ranks) if b not in self.slots]
@@ -188,7 +190,8 @@ class EPCluster:
         cfg, b = self.cfg, lost[0]
         actor = ray.remote(RankWorker).options(
             num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=b),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle_of(b, cfg.ranks_per_node)),
         ).remote(b, cfg.ranks, cfg.engine_config(), self._whole_placement.to_dict(), cfg.num_threads_per_rank, True)
         t0 = time.perf_counter()
         try:

@@ -5,9 +5,10 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 
-from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing
+from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing, resolve_placement
 
 _CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
@@ -47,14 +48,19 @@ def add_engine_args(p) -> None:
     """Where the ranks run and what each runs: placement, context, batch, KV cache, packed experts, prefetch,
     kernels, gating (shared by `generate` and `serve`; `engine_kwargs` turns them into LLM / ClusterConfig
     keywords)."""
-    p.add_argument("--placement-strategy", type=str.upper, choices=PLACEMENT_STRATEGIES,
-                   default=_CLUSTER["placement_strategy"].default,
-                   help="how Ray places the ranks on the cluster's nodes. PACK: as few nodes as possible (ranks of one "
+    p.add_argument("--placement-strategy", type=str.upper, choices=PLACEMENT_STRATEGIES, default=None,
+                   help="how Ray places the ranks on the cluster's nodes (unset: PACK, or STRICT_SPREAD with "
+                        "--ranks-per-node). PACK: as few nodes as possible (ranks of one "
                         "node exchange through shared memory; across nodes every all-to-all goes over gloo/TCP, several "
                         "times slower per decode step); SPREAD: one rank per node where possible (more memory and "
                         "bandwidth per rank; after a node dies the group is rebuilt on the survivors); "
                         "STRICT_SPREAD: one rank per node or nothing (after a node dies the group waits for a new "
                         "node); STRICT_PACK: all ranks on one node or nothing. See README 'Several machines'")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="N",
+                   help="N ranks on each node, on --ranks / N distinct nodes (--ranks must be a multiple of N; Ray "
+                        "places node groups of N ranks, each on one node). --placement-strategy then applies to the "
+                        "groups: STRICT_SPREAD (the default here: waits for enough nodes) or SPREAD (distinct nodes "
+                        "where possible). Unset: no grouping")
     p.add_argument("--redundant-experts", action="store_true",
                    help="place every routed expert on at least two ranks (needs --ranks >= 2; costs expert memory, "
                         "logged at start and in the stats / moeray_redundant_expert_bytes): when one rank dies, its "
@@ -127,7 +133,9 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on --max-num-batched-tokens below --max-num-seqs, a prefix-routing threshold out of range, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
+    Raises ValueError on --ranks not a multiple of --ranks-per-node (unset --ranks: 2, or one per visible GPU),
+    --ranks-per-node < 1 or with --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below
+    --max-num-seqs, a prefix-routing threshold out of range, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
     --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
     (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
     expert cache is left at its CPU default of 0."""
@@ -140,6 +148,7 @@ def engine_kwargs(a) -> dict:
         check_prefix_routing(a.prefix_routing_imbalanced_threshold, a.prefix_routing_match_rate_threshold)
     except ValueError as e:  # the message names the ClusterConfig field; the user typed the flag
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
+    strategy = placement_flags(a)
     if a.resident_experts is not None and a.resident_experts < 1:
         raise ValueError(f"--resident-experts={a.resident_experts} must be >= 1")
     asked = [f for f, on in (("--expert-cache", a.expert_cache is not None),
@@ -156,8 +165,8 @@ def engine_kwargs(a) -> dict:
               "(packed experts run from their packed bytes), so nothing would be prefetched there; pass "
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
-              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=a.placement_strategy,
-              redundant_experts=a.redundant_experts, prefix_routing=a.prefix_routing,
+              dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=strategy,
+              ranks_per_node=a.ranks_per_node, redundant_experts=a.redundant_experts, prefix_routing=a.prefix_routing,
               prefix_routing_imbalanced_threshold=a.prefix_routing_imbalanced_threshold,
               prefix_routing_match_rate_threshold=a.prefix_routing_match_rate_threshold)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
@@ -180,6 +189,21 @@ def engine_kwargs(a) -> dict:
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the local Ray workers
     return kw
+
+
+def placement_flags(a) -> str:
+    """The placement strategy of --placement-strategy / --ranks-per-node / --ranks (`resolve_placement`, unset
+    --ranks as `ClusterConfig.auto`: one per visible GPU, else 2). Raises ValueError naming the flags."""
+    ranks = getattr(a, "ranks", None)
+    if ranks is None:
+        import torch
+
+        ranks = torch.cuda.device_count() or _CLUSTER["ranks"].default
+    try:
+        return resolve_placement(ranks, a.ranks_per_node, a.placement_strategy)
+    except ValueError as e:  # the message names the ClusterConfig fields; the user typed the flags
+        msg = re.sub(r"\b(ranks_per_node|placement_strategy|ranks)=", lambda m: f"--{m[1].replace('_', '-')}=", str(e))
+        raise ValueError(msg + (" (--ranks unset: 2, or one per GPU)" if getattr(a, "ranks", None) is None else "")) from None
 
 
 def parse_gating_options(items: list[str]) -> dict:
