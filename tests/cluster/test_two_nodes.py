@@ -3,7 +3,8 @@ under `unshare --uts --mount` with its own hostname and /dev/shm where that is a
 with the shared-memory transport turned off on node B (`MOERAY_SHM=0`). With SPREAD, the two ranks land on
 different nodes, talk TCP across the boundary (gloo, and the step's small collectives over the ranks' own
 sockets: `actors.rank.tcp_collective`), give the tokens of the 1-rank run, leave no shared-memory segment in either
-/dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again.
+/dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again. With `ranks_per_node=1`
+(one node group per node, STRICT_SPREAD) the two ranks again land on different nodes and give the same tokens.
 
 The cluster is this test's own (own temp dirs, ports, token), not the suite's shared Ray; the driver runs in a
 subprocess (`drive`), since this process may already be attached to the shared instance. Nothing here skips:
@@ -102,6 +103,11 @@ def drive(model: str) -> None:
             report["after"] = seen_by_ranks(llm)
     finally:
         llm.shutdown()
+    t0 = time.monotonic()  # --ranks-per-node 1: one node group per node (STRICT_SPREAD), so the ranks must split
+    with LLM(model=model, ranks=2, ranks_per_node=1, max_model_len=128, kv_cache_bytes=4 << 20) as grouped:
+        report["per_node_ips"] = ray.get([r.node_ip.remote() for r in grouped.cluster.ranks], timeout=60)
+        report["per_node_tokens"] = [o.token_ids for o in grouped.generate(PROMPTS, params)]
+    report["per_node_s"] = time.monotonic() - t0
     print("REPORT " + json.dumps(report), flush=True)
 
 
@@ -135,3 +141,5 @@ def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     assert rep["victim"] is not None and rep["recoveries"] == 1, rep
     assert rep["tokens_after"] == ref  # the rebuilt group serves the same tokens
     assert left == {"a": [], "b": []}  # no segment left in either node's /dev/shm
+    # --ranks-per-node 1 on two nodes: a rank on each, the same tokens
+    assert sorted(rep["per_node_ips"]) == [HEAD_IP, NODE_B_IP] and rep["per_node_tokens"] == ref, rep
