@@ -329,7 +329,7 @@ class ServeAppArgs(BaseModel):
     max_body_bytes: HTTP request bodies above this get 413 before they are parsed (default 4 MiB).
     request_timeout_s: a request still generating after this many seconds is aborted on its rank: HTTP 504, gRPC
         DEADLINE_EXCEEDED, proxied or on the replica's own server (default 600; None: no limit).
-    cluster_options: any other `cluster.config.ClusterConfig` field (dtype, max_model_len, kv_cache_bytes, ...).
+    cluster_options: any other `cluster.config.ClusterConfig` field (dtype, placement_strategy, ranks_per_node, ...).
     """
 
     model_config = ConfigDict(extra="forbid")
