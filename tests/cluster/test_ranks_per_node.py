@@ -175,3 +175,31 @@ def test_more_node_groups_than_nodes_fail_within_the_timeout(ray_session):
         assert w in msg, msg
     assert all(t["state"] == "REMOVED" for t in ray_session.util.placement_group_table().values()
                if t["strategy"] == "STRICT_SPREAD" and len(t["bundles"]) == 2)  # not left pending
+
+
+def test_replacement_rank_rejoins_its_node_groups_bundle(ray_session, tiny_model_dir):
+    """Elastic EP with one node group of 2: rank 1 SIGKILLed, the survivor serves, and the replacement starts in
+    bundle 0 (rank 1 // 2; there is no bundle 1) and joins; the group then serves the undisturbed tokens."""
+    import signal
+
+    from actors.engine.sampling import SamplingParams
+    from moeray import LLM
+    from router_service.errors import EngineError
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(model=tiny_model_dir("qwen2_moe", num_layers=2), ranks=2, ranks_per_node=2, redundant_experts=True,
+             max_model_len=64, kv_cache_bytes=2 << 20) as llm:
+        ref = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        pids = [i["pid"] for i in llm.cluster.info]
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while not llm.router.rejoins and time.monotonic() < deadline:
+            try:
+                llm.router.submit(PROMPTS[0], params).result(timeout=30)
+            except EngineError:  # refused (retriable) while the group shrinks or the replacement switches in
+                time.sleep(0.05)
+        assert llm.router.rejoins, f"no replacement rank joined within 90 s: {llm.router.health()}"
+        assert llm.router.recoveries[-1]["elastic"]
+        new = [i["pid"] for i in llm.cluster.info]
+        assert new[0] == pids[0] and new[1] not in pids and llm.cluster.slots == [0, 1]
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == ref
