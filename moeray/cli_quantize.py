@@ -75,11 +75,14 @@ def calibration_chunks(model: str, texts: list[str], max_tokens: int, chunk: int
 
 
 def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chunk: int = 256,
-                    pre_attention_tokens: int = 131072, progress: bool = True) -> str:
+                    pre_attention_tokens: int = 131072, pre_attention_texts: list[str] = (),
+                    progress: bool = True) -> str:
     """Route `texts` through `model` (one in-process rank) and save `expert_transitions.safetensors` there:
     transition counts and log-linear weights from `max_tokens` of them, the pre-attention MLPs trained on up
-    to `pre_attention_tokens` of the same texts (0: no MLPs; about 40 s extra per 100k tokens on one core).
-    Returns the file's path."""
+    to `pre_attention_tokens` of the same texts plus `pre_attention_texts` (an equal share of each; 0: no
+    MLPs; about 40 s extra per 100k tokens on one core). The MLPs gain from more text where the counts do not
+    need it (tiny-moe, held-out recall at k+1, prose / code: 118k tokens of 5 texts 0.948 / 0.931, 325k of 11
+    texts 0.956 / 0.943). Returns the file's path."""
     from tqdm import tqdm
 
     from actors.model.config import ModelConfig
@@ -97,7 +100,8 @@ def run_calibration(model: str, texts: list[str], *, max_tokens: int = 8192, chu
     path = os.path.join(model, TRANSITIONS_FILE)
     it = tqdm(chunks, desc="calibrating expert transitions", unit="seq", file=sys.stderr, disable=not progress)
     seen = {tuple(c) for c in chunks}
-    extra = [c for c in calibration_chunks(model, texts, pre_attention_tokens, min(chunk, mc.max_position_embeddings))
+    extra = [c for c in calibration_chunks(model, [*texts, *pre_attention_texts], pre_attention_tokens,
+                                           min(chunk, mc.max_position_embeddings))
              if tuple(c) not in seen] if pre_attention_tokens > max_tokens else []
     calibrate(eng, it, path, meta={"tokens": sum(map(len, chunks)), "sequences": len(chunks),
                                    "pre_attention_tokens": sum(map(len, chunks + extra))},

@@ -17,6 +17,7 @@ for b in 2 3 4; do
 done
 $PY -c "
 import sys; from moeray.cli_quantize import run_calibration
-texts = [open(f, encoding='utf-8').read() for f in sys.argv[1:]]
-print(run_calibration('$OUT', texts, max_tokens=16384))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py"
+read = lambda fs: [open(f, encoding='utf-8').read() for f in fs]
+print(run_calibration('$OUT', read(sys.argv[1:6]), max_tokens=16384, pre_attention_tokens=393216,
+                      pre_attention_texts=read(sys.argv[6:])))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" "$T/lear_gut.txt" "$T/julius_caesar_gut.txt" "$T/othello_gut.txt" "$L/inspect.py" "$L/subprocess.py" "$L/dataclasses.py"
 $PY scripts/model_card.py --model "$OUT"

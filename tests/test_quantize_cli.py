@@ -154,3 +154,23 @@ def test_help_shows_defaults_but_not_unset_ones(cmd, capsys):
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: [])" not in out and "(default: False)" not in out
     assert "(default: " in out
+
+
+def test_run_calibration_trains_the_mlps_on_the_extra_texts_too(tiny_model_dir, monkeypatch):
+    """pre_attention_texts reach the MLPs' chunks (an equal share with `texts`), never the counts' chunks."""
+    import router_service.routing.calibration as calibration
+    from moeray.cli_quantize import calibration_chunks, run_calibration
+
+    seen = {}
+
+    def fake_calibrate(engine, chunks, path, meta=None, *, pre_attention_chunks=None, pre_attention=True):
+        seen["counts"], seen["mlp"] = list(chunks), list(pre_attention_chunks or [])
+
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
+    model = tiny_model_dir("qwen2_moe", num_layers=3)
+    a, b = "the quick brown fox jumps over the lazy dog. " * 60, "def f(x):\n    return x + 1\n" * 60
+    run_calibration(model, [a], max_tokens=64, chunk=32, pre_attention_tokens=512,
+                    pre_attention_texts=[b], progress=False)
+    assert seen["counts"] == calibration_chunks(model, [a], 64, 32)
+    want = [c for c in calibration_chunks(model, [a, b], 512, 32) if c not in seen["counts"]]
+    assert seen["mlp"] == want and any(c in calibration_chunks(model, [b], 256, 32) for c in want)
