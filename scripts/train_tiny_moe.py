@@ -524,7 +524,7 @@ def export(model, data, args, step, tokens_per_step, log, init_summary=None):
                     rope_theta=model.config.rope_parameters["rope_theta"], short_ctx=args.short_ctx,
                     retrieval_frac=args.retrieval_frac, answer_weight=args.answer_weight,
                     facts_per_1k=args.facts_per_1k, induction_frac=args.induction_frac,
-                    copy_frac=args.copy_frac)
+                    copy_frac=args.copy_frac, micro_bs=args.micro_bs, accum=args.accum)
         summary = {**summary, **this, "base": base, "stages": stages + [this]}
     json.dump(summary, open(os.path.join(out, "training_summary.json"), "w"), indent=2)
     print("exported to", out)

@@ -61,8 +61,8 @@ def test_cli_two_ranks_equal_one_rank_equal_transformers(ray_session):
 
 def test_cli_bad_prompt_exit_status(ray_session):
     address = ray_session.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "moeray.cli", "generate", "--ranks", "1", "--max-tokens", "2000", "--json",
+    cmd = [sys.executable, "-m", "moeray.cli", "generate", "--ranks", "1", "--max-tokens", "5000", "--json",
            "--address", address, "hello"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
-    assert "max_tokens=2000 exceeds the context window" in r.stderr
+    assert "max_tokens=5000 exceeds the context window" in r.stderr
