@@ -99,14 +99,19 @@ class ClusterConfig:
     @classmethod
     def auto(cls, **kw) -> "ClusterConfig":
         """One rank per GPU on CUDA (unless `ranks` given), CPU defaults otherwise."""
+        kw.setdefault("ranks", default_ranks())
         if torch.cuda.is_available():
-            kw.setdefault("ranks", torch.cuda.device_count())
             kw.setdefault("num_gpus_per_rank", 1.0)
             kw.setdefault("num_cpus_per_rank", 1.0)
         return cls(**kw)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def default_ranks() -> int:
+    """The rank count `ClusterConfig.auto` uses when none is given: one per visible GPU, else the field's default."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else ClusterConfig.__dataclass_fields__["ranks"].default
 
 
 def check_prefix_routing(imbalanced_threshold: float, match_rate_threshold: float) -> None:

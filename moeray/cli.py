@@ -8,7 +8,8 @@ import os
 import re
 import sys
 
-from cluster.config import DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing, resolve_placement
+from cluster.config import (DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing, default_ranks,
+                            resolve_placement)
 
 _CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
@@ -196,9 +197,7 @@ def placement_flags(a) -> str:
     --ranks as `ClusterConfig.auto`: one per visible GPU, else 2). Raises ValueError naming the flags."""
     ranks = getattr(a, "ranks", None)
     if ranks is None:
-        import torch
-
-        ranks = torch.cuda.device_count() or _CLUSTER["ranks"].default
+        ranks = default_ranks()
     try:
         return resolve_placement(ranks, a.ranks_per_node, a.placement_strategy)
     except ValueError as e:  # the message names the ClusterConfig fields; the user typed the flags
