@@ -85,12 +85,21 @@ def drive(model: str) -> None:
         victim = next((i for i, r in enumerate(report["before"]) if r["ip"] == NODE_B_IP), None)
         report["victim"] = victim
         if victim is not None:
-            ray.kill(llm.cluster.ranks[victim], no_restart=True)
+            handle = llm.cluster.ranks[victim]
+            ray.kill(handle, no_restart=True)
             t0 = time.monotonic()
-            while True:  # until a request is served again (the router rebuilds the group)
+            while True:  # ray.kill is asynchronous: a request sent at once may still be served by the old group
+                try:
+                    ray.get(handle.node_ip.remote(), timeout=10)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                if time.monotonic() - t0 > 30:
+                    raise AssertionError("the killed rank still answers 30 s after ray.kill")
+                time.sleep(0.05)
+            while True:  # until a request is served again by a rebuilt group
                 try:
                     outs = llm.generate(PROMPTS, params)
-                    if all(o.finish_reason == "length" for o in outs):
+                    if llm.router.recoveries and all(o.finish_reason == "length" for o in outs):
                         break
                 except EngineError:
                     pass
