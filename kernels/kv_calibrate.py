@@ -159,9 +159,10 @@ def fit_kv_profile(
             by ~0.4-1 points (bench/kv_quality.py, row `-mse`).
         k_channel_bits: None (one width `bits` for every key channel), or B bits per head row for per-channel
             key widths (`k_bits`, module docstring): each inlier channel's width in [k_min_bits, 8] on a
-            uniform grid over its calibrated range (after `percentile`; k_range and codebook then do not
-            apply to keys), allocated by `allocate_channel_bits` on the calibration keys' squared error
-            weighted by `query_energy`. Outlier channels get k_min_bits (their slots are ignored) and should
+            uniform grid over its calibrated range (after `percentile`; codebook then does not apply to
+            keys), allocated by `allocate_channel_bits` on the calibration keys' squared error weighted by
+            `query_energy`. With k_range="mse" each channel's error at each width is the least over
+            `MSE_CLIP_FACTORS` of its half-range, and the channel keeps the factor of the width it gets. Outlier channels get k_min_bits (their slots are ignored) and should
             normally be 0: a large channel gets more bits instead. B in [k_min_bits * D, 8 * D]; the key
             row costs ceil(B / 8) bytes per token and head.
         query_energy: [H, D] float >= 0, the weight of channel d's squared key error: for RoPE'd attention,
@@ -225,19 +226,14 @@ def fit_kv_profile(
         if query_energy is not None and tuple(query_energy.shape) != (h, d):
             raise ValueError(f"query_energy.shape={tuple(query_energy.shape)} must be [H={h}, D={d}]")
         w_HD = torch.ones(h, d) if query_energy is None else query_energy.detach().float().cpu().clamp_min(0)
-        k_norm_all = (k - zero_HD) / scale_HD
-        errs = [torch.zeros(h, d, device=k.device)]
-        for b in range(1, MAX_CHANNEL_BITS + 1):
-            wb = torch.full((h, d), b, dtype=torch.int64, device=k.device)
-            lv = _uniform_channel_levels(_uniform_channel_codes(k_norm_all, wb), wb)
-            errs.append((((lv - k_norm_all) * scale_HD) ** 2).mean(dim=0))
-        err = torch.stack(errs).cpu()
-        err[0] = err[1] * 4  # unused (min_bits >= 1); keeps cummin monotone
+        err, factor_BHD = _channel_grid_errors(k, zero_HD, scale_HD, MSE_CLIP_FACTORS if k_range == "mse" else (1.0,))
         # outlier channels never go through the grid; keep them at the floor so the budget goes elsewhere
         w_HD = torch.where(k_in_HD.cpu(), w_HD, torch.zeros(()))
         k_bits_HD = allocate_channel_bits(err, w_HD, k_channel_bits, min_bits=k_min_bits).to(k.device)
+        scale_HD = torch.where(k_in_HD, scale_HD * factor_BHD.gather(0, k_bits_HD.long()[None].cpu())[0].to(k.device),
+                               scale_HD)
         k_codebook = torch.linspace(-1.0, 1.0, 1 << bits, device=k.device)  # unused with k_bits
-        k_range = "minmax"  # the per-channel grid keeps the calibrated range (no clipping search)
+        k_range = "minmax"  # done: each channel's clip factor was chosen at its own width above
     else:
         k_norm = ((k - zero_HD) / scale_HD)[:, k_in_HD]  # [N, inliers]
         k_codebook = fit_codebook(k_norm, bits, method=codebook, iters=iters).to(k.device)
@@ -262,6 +258,34 @@ def fit_kv_profile(
         v_outlier_idx=v_idx,
         k_bits=k_bits_HD,
     )
+
+
+def _channel_grid_errors(k_NHD: torch.Tensor, zero_HD: torch.Tensor, scale_HD: torch.Tensor, factors
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-width key error of the per-channel uniform grid, each channel clipped at its best factor.
+
+    Returns ([B + 1, H, D] fp32 mean squared error on the CPU, err[b] at width b with the best of `factors` for
+    that channel and width (err[0] unused, set above err[1]); [B + 1, H, D] fp32 those factors of the half-range).
+    With factors (1.0,) this is the min/max grid (no clipping search)."""
+    h, d = scale_HD.shape
+    errs, facs = [torch.zeros(h, d)], [torch.ones(h, d)]
+    for b in range(1, MAX_CHANNEL_BITS + 1):
+        wb = torch.full((h, d), b, dtype=torch.int64, device=k_NHD.device)
+        best_err, best_f = None, None
+        for f in factors:
+            s = scale_HD * f
+            x_norm = (k_NHD - zero_HD) / s
+            e = (((_uniform_channel_levels(_uniform_channel_codes(x_norm, wb), wb) - x_norm) * s) ** 2).mean(dim=0)
+            if best_err is None:
+                best_err, best_f = e, torch.full_like(e, f)
+            else:
+                better = e < best_err
+                best_err, best_f = torch.where(better, e, best_err), torch.where(better, f, best_f)
+        errs.append(best_err.cpu())
+        facs.append(best_f.cpu())
+    err, fac = torch.stack(errs), torch.stack(facs)
+    err[0] = err[1] * 4  # unused (min_bits >= 1); keeps cummin monotone
+    return err, fac
 
 
 def _mse_clip_scale(k_NHD: torch.Tensor, zero_HD: torch.Tensor, scale_HD: torch.Tensor, codebook: torch.Tensor,

