@@ -31,6 +31,12 @@ def bundle_of(rank: int, ranks_per_node: int | None = None) -> int:
     return rank // ranks_per_node if ranks_per_node else rank
 
 
+class PlacementTimeoutError(TimeoutError):
+    """The rank placement group was not placed within `ClusterConfig.placement_timeout_s`; the message is
+    `describe_unplaced`'s (what was asked for, the strategy, the alive nodes and cluster resources). No attempt
+    with the same layout on the same cluster can do better, so callers report it instead of retrying."""
+
+
 def describe_unplaced(cfg, timeout_s: float) -> str:
     """The TimeoutError message for a rank placement group of `cfg` (a ClusterConfig) not placed within
     `timeout_s` seconds: what it asked for, under which strategy, and the alive nodes / cluster resources."""
