@@ -157,9 +157,9 @@ class Router:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
-            seq = next(self._seq)
-            if stream is not None and not stream.admitted:  # the rank may not know it yet: cancel once it does
+            stream, seq = self._streams.get(request_id), next(self._seq)
+            # the rank may not know it yet, or a regroup renumbers the ranks (`elastic`): cancel once it can
+            if stream is not None and (not stream.admitted or self._recovering is not None):
                 stream.abort_pending = True
                 return
         if stream is not None:
