@@ -45,11 +45,11 @@ def describe_unplaced(cfg, timeout_s: float) -> str:
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
     except Exception:  # noqa: BLE001 - the message is best effort
         alive = "?"
-    what = f"{cfg.ranks} x {bundles[0]}"
+    what, need = f"{cfg.ranks} x {bundles[0]}", ""
     if cfg.ranks_per_node:
         what = (f"{len(bundles)} node groups of ranks_per_node={cfg.ranks_per_node} ranks ({len(bundles)} x "
                 f"{bundles[0]})")
         if cfg.placement_strategy == "STRICT_SPREAD":
-            what += f", each on its own node: needs {len(bundles)} nodes with that much free"
-    return (f"placement group of {what} not schedulable within {timeout_s}s under {cfg.placement_strategy} "
+            need = f": each group on its own node, so it needs {len(bundles)} nodes with that much free"
+    return (f"placement group of {what} not schedulable within {timeout_s}s under {cfg.placement_strategy}{need} "
             f"({alive} alive nodes; cluster resources: {ray.cluster_resources()})")

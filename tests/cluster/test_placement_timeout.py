@@ -18,8 +18,9 @@ from cluster.node_groups import PlacementTimeoutError
 from moeray import cli, cli_serve
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-UNPLACED = ("placement group of 2 node groups of ranks_per_node=1 ranks (2 x {'CPU': 0.5}), each on its own node: "
-            "needs 2 nodes with that much free not schedulable within 2.0s under STRICT_SPREAD (1 alive nodes)")
+UNPLACED = ("placement group of 2 node groups of ranks_per_node=1 ranks (2 x {'CPU': 0.5}) not schedulable within "
+            "2.0s under STRICT_SPREAD: each group on its own node, so it needs 2 nodes with that much free "
+            "(1 alive nodes)")
 
 
 def test_cluster_config_default_and_validation():
