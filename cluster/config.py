@@ -1,6 +1,7 @@
 """Cluster configuration (internal dataclass; user-facing validation happens at the CLI/HTTP edge)."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
@@ -15,6 +16,8 @@ _ENGINE = {f.name: f.default for f in fields(EngineConfig)}
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 # with ranks_per_node the bundles are node groups of N ranks: only strategies that put them on distinct nodes
 NODE_GROUP_STRATEGIES = ("STRICT_SPREAD", "SPREAD")
+# the CLI's --placement-timeout-s default: an interactive command on a fixed cluster fails fast
+CLI_PLACEMENT_TIMEOUT_S = 60.0
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -33,6 +36,10 @@ class ClusterConfig:
     placement_strategy applies to those node groups: STRICT_SPREAD (the default) puts them on ranks / N distinct
     nodes or waits; SPREAD on distinct nodes where possible (two groups may share a node, e.g. after a node loss).
     PACK / STRICT_PACK with ranks_per_node are a ValueError (they would stack groups on one node).
+    placement_timeout_s: seconds `EPCluster` waits for Ray to place the rank placement group before it gives up
+    with `cluster.node_groups.PlacementTimeoutError` (a TimeoutError naming the layout and the cluster's
+    resources); finite and > 0. Patient by default (nodes may be autoscaled in); `moeray generate|serve
+    --placement-timeout-s` defaults to CLI_PLACEMENT_TIMEOUT_S.
     """
 
     model: str = DEFAULT_MODEL
@@ -49,6 +56,7 @@ class ClusterConfig:
     pg_timeout_s: float = 10.0
     placement_strategy: str | None = None  # resolved in __post_init__: PACK, or STRICT_SPREAD with ranks_per_node
     ranks_per_node: int | None = None
+    placement_timeout_s: float = 300.0
     # every routed expert on two ranks (`cluster.placement.redundant_placement`): the loss of one rank leaves the
     # survivors serving (elastic EP, `EPCluster.shrink`) instead of a whole-group rebuild; costs expert memory
     redundant_experts: bool = False
@@ -69,6 +77,7 @@ class ClusterConfig:
             raise ValueError(f"ranks={self.ranks} must be >= 1")
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
+        check_placement_timeout(self.placement_timeout_s)
         self.placement_strategy = resolve_placement(self.ranks, self.ranks_per_node, self.placement_strategy)
         if self.redundant_experts and self.ranks < 2:
             raise ValueError(f"redundant_experts needs ranks >= 2 (every expert on two ranks), got ranks={self.ranks}")
@@ -121,6 +130,12 @@ def check_prefix_routing(imbalanced_threshold: float, match_rate_threshold: floa
         raise ValueError(f"prefix_routing_imbalanced_threshold={imbalanced_threshold} must be >= 0 (requests)")
     if not 0 <= match_rate_threshold <= 1:
         raise ValueError(f"prefix_routing_match_rate_threshold={match_rate_threshold} must be in [0, 1]")
+
+
+def check_placement_timeout(placement_timeout_s: float) -> None:
+    """Raises ValueError unless placement_timeout_s (seconds) is finite and > 0 (names the field)."""
+    if not 0 < placement_timeout_s < math.inf:
+        raise ValueError(f"placement_timeout_s={placement_timeout_s} must be > 0 and finite (seconds)")
 
 
 def resolve_placement(ranks: int, ranks_per_node: int | None, placement_strategy: str | None) -> str:

@@ -14,7 +14,7 @@ from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
 from cluster.metrics import aggregate_stats
-from cluster.node_groups import bundle_of, describe_unplaced, rank_bundles
+from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, rank_bundles
 from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
                                shrink_placement)
 
@@ -26,11 +26,13 @@ class EPCluster:
     `ranks_per_node` = N one per node group, rank r in bundle r // N (`cluster.node_groups`).
 
     Raises:
-        TimeoutError: the placement group cannot be scheduled within `timeout_s`.
+        PlacementTimeoutError (a TimeoutError): the placement group cannot be scheduled within
+            `cfg.placement_timeout_s` seconds (the group is removed, not left pending).
+        TimeoutError: the ranks are not set up within `setup_timeout_s` seconds (weights read, process group).
         ray.exceptions.RayActorError: a rank failed during setup (message includes the cause).
     """
 
-    def __init__(self, cfg: ClusterConfig, timeout_s: float = 300.0):
+    def __init__(self, cfg: ClusterConfig, setup_timeout_s: float = 300.0):
         self.cfg = cfg
         mc = ModelConfig.from_pretrained(cfg.model)
         self.model_config = mc
@@ -40,14 +42,14 @@ class EPCluster:
         self._initial_placement = self.placement  # what a whole-group rebuild (`restart`) starts from
         bundles = rank_bundles(cfg.ranks, cfg.num_cpus_per_rank, cfg.num_gpus_per_rank, cfg.ranks_per_node)
         self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        ready, _ = ray.wait([self.pg.ready()], timeout=cfg.placement_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
-            raise TimeoutError(describe_unplaced(cfg, timeout_s))
+            raise PlacementTimeoutError(describe_unplaced(cfg, cfg.placement_timeout_s))
         self.ranks: list = []
         self.slots: list[int] = []  # each rank's rank in the whole group (its bundle: `bundle_of(slot, N)`)
         self.generation = 0
-        self._spawn(timeout_s)
+        self._spawn(setup_timeout_s)
         self.kv_blocks_per_rank = self.info[0]["kv_blocks"]
         # sliding window of expert load: (monotonic time s, cumulative [L][E] summed over ranks) snapshots,
         # taken by every stats() / sample_load() / rebalance() call; the first is all zeros (cluster start)

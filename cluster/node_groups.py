@@ -31,6 +31,12 @@ def bundle_of(rank: int, ranks_per_node: int | None = None) -> int:
     return rank // ranks_per_node if ranks_per_node else rank
 
 
+class PlacementTimeoutError(TimeoutError):
+    """The rank placement group was not placed within `ClusterConfig.placement_timeout_s`; the message is
+    `describe_unplaced`'s (what was asked for, the strategy, the alive nodes and cluster resources). No attempt
+    with the same layout on the same cluster can do better, so callers report it instead of retrying."""
+
+
 def describe_unplaced(cfg, timeout_s: float) -> str:
     """The TimeoutError message for a rank placement group of `cfg` (a ClusterConfig) not placed within
     `timeout_s` seconds: what it asked for, under which strategy, and the alive nodes / cluster resources."""
@@ -39,11 +45,11 @@ def describe_unplaced(cfg, timeout_s: float) -> str:
         alive = sum(1 for n in ray.nodes() if n.get("Alive"))
     except Exception:  # noqa: BLE001 - the message is best effort
         alive = "?"
-    what = f"{cfg.ranks} x {bundles[0]}"
+    what, need = f"{cfg.ranks} x {bundles[0]}", ""
     if cfg.ranks_per_node:
         what = (f"{len(bundles)} node groups of ranks_per_node={cfg.ranks_per_node} ranks ({len(bundles)} x "
                 f"{bundles[0]})")
         if cfg.placement_strategy == "STRICT_SPREAD":
-            what += f", each on its own node: needs {len(bundles)} nodes with that much free"
-    return (f"placement group of {what} not schedulable within {timeout_s}s under {cfg.placement_strategy} "
+            need = f": each group on its own node, so it needs {len(bundles)} nodes with that much free"
+    return (f"placement group of {what} not schedulable within {timeout_s}s under {cfg.placement_strategy}{need} "
             f"({alive} alive nodes; cluster resources: {ray.cluster_resources()})")

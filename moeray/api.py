@@ -28,9 +28,12 @@ class LLM:
         kv_profile: the deployment's default KV quantization profile (a name in `<model>/kv_profiles`, "auto",
             a profile path or folder; None: "auto"). A request's `SamplingParams.kv_profile` overrides it for that
             request (`kv_profiles` lists the names a request may give).
-        **cluster_kw: any `ClusterConfig` field (dtype, max_model_len, max_num_seqs, kv_cache_bytes, ...).
+        **cluster_kw: any `ClusterConfig` field (dtype, max_model_len, max_num_seqs, kv_cache_bytes,
+            placement_timeout_s: seconds to wait for Ray to place the ranks, default 300, ...).
     Raises:
-        ValueError: bad configuration (names the field). TimeoutError: ranks cannot be placed.
+        ValueError: bad configuration (names the field). `cluster.node_groups.PlacementTimeoutError` (a
+            TimeoutError): the ranks were not placed within placement_timeout_s (the message says what was asked
+            for and what the cluster has); a Ray this call started is shut down again.
     """
 
     def __init__(self, model: str | None = None, ranks: int | None = None, address: str | None = None,

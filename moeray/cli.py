@@ -8,8 +8,8 @@ import os
 import re
 import sys
 
-from cluster.config import (DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig, check_prefix_routing, default_ranks,
-                            resolve_placement)
+from cluster.config import (CLI_PLACEMENT_TIMEOUT_S, DEFAULT_MODEL, PLACEMENT_STRATEGIES, ClusterConfig,
+                            check_placement_timeout, check_prefix_routing, default_ranks, resolve_placement)
 
 _CLUSTER = ClusterConfig.__dataclass_fields__  # defaults come from the config, not retyped here
 
@@ -62,6 +62,10 @@ def add_engine_args(p) -> None:
                         "places node groups of N ranks, each on one node). --placement-strategy then applies to the "
                         "groups: STRICT_SPREAD (the default here: waits for enough nodes) or SPREAD (distinct nodes "
                         "where possible). Unset: no grouping")
+    p.add_argument("--placement-timeout-s", type=float, default=CLI_PLACEMENT_TIMEOUT_S, metavar="S",
+                   help="seconds to wait for Ray to place the ranks; a layout the cluster cannot hold (more "
+                        "CPUs / GPUs / nodes than it has) then fails with one error line naming what was asked for "
+                        "and what the cluster has, exit 1 (serve: exit 2). Raise it when nodes are autoscaled in")
     p.add_argument("--redundant-experts", action="store_true",
                    help="place every routed expert on at least two ranks (needs --ranks >= 2; costs expert memory, "
                         "logged at start and in the stats / moeray_redundant_expert_bytes): when one rank dies, its "
@@ -134,8 +138,8 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on --ranks not a multiple of --ranks-per-node (unset --ranks: 2, or one per visible GPU),
-    --ranks-per-node < 1 or with --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below
+    Raises ValueError on --placement-timeout-s not > 0 (or not finite), --ranks not a multiple of --ranks-per-node
+    (unset --ranks: 2, or one per visible GPU), --ranks-per-node < 1 or with --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below
     --max-num-seqs, a prefix-routing threshold out of range, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
     --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
     (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
@@ -147,6 +151,7 @@ def engine_kwargs(a) -> dict:
                          f"{a.max_num_seqs} (a full decode batch must fit one step)")
     try:
         check_prefix_routing(a.prefix_routing_imbalanced_threshold, a.prefix_routing_match_rate_threshold)
+        check_placement_timeout(a.placement_timeout_s)
     except ValueError as e:  # the message names the ClusterConfig field; the user typed the flag
         raise ValueError(f"--{str(e).replace('_', '-')}") from None
     strategy = placement_flags(a)
@@ -167,7 +172,8 @@ def engine_kwargs(a) -> dict:
               "--expert-cache C", file=sys.stderr)
     kw = dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, kv_cache_bytes=a.kv_cache_bytes,
               dtype=a.dtype, max_batched_tokens=a.max_num_batched_tokens, placement_strategy=strategy,
-              ranks_per_node=a.ranks_per_node, redundant_experts=a.redundant_experts, prefix_routing=a.prefix_routing,
+              ranks_per_node=a.ranks_per_node, placement_timeout_s=a.placement_timeout_s,
+              redundant_experts=a.redundant_experts, prefix_routing=a.prefix_routing,
               prefix_routing_imbalanced_threshold=a.prefix_routing_imbalanced_threshold,
               prefix_routing_match_rate_threshold=a.prefix_routing_match_rate_threshold)
     opts = {"kv_bits": a.kv_bits, "kv_profile": a.kv_profile, "kv_extra_bits": a.kv_extra_bits,
@@ -219,9 +225,33 @@ def parse_gating_options(items: list[str]) -> dict:
     return out
 
 
+def start_llm(a, **kw):
+    """`LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)`, or an exit status after one `moeray: error:`
+    line on stderr (no traceback): 2 for a bad configuration (ValueError, FileNotFoundError), 1 when the cluster
+    cannot come up (Ray did not start; the ranks were not placed within --placement-timeout-s, said by
+    `cluster.node_groups.describe_unplaced`; a rank failed its setup). Shared by `generate` and `serve`'s
+    gRPC-only path."""
+    from moeray.api import LLM
+
+    try:
+        return LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moeray: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Ray could not start or the ranks could not be placed / set up
+        from cluster.node_groups import PlacementTimeoutError
+
+        why = str(e) if isinstance(e, PlacementTimeoutError) else f"{type(e).__name__}: {e}"
+        print(f"moeray: error: could not bring up the cluster: {why}", file=sys.stderr)
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        return 1
+
+
 def cmd_generate(a) -> int:
     from actors.engine.sampling import SamplingParams
-    from moeray.api import LLM
 
     try:
         params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
@@ -238,18 +268,9 @@ def cmd_generate(a) -> int:
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2
-    try:
-        llm = LLM(model=a.model, ranks=a.ranks, address=a.address, **kw)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"moeray: error: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - Ray could not start or the ranks could not be placed
-        print(f"moeray: error: could not bring up the cluster: {type(e).__name__}: {e}", file=sys.stderr)
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        return 1
+    llm = start_llm(a, **kw)
+    if isinstance(llm, int):
+        return llm
     try:
         outs = llm.generate(a.prompts, params)
         if a.stats:

@@ -322,16 +322,14 @@ def _wait_for_signal() -> None:
 
 
 def _grpc_only(a, api_key: str | None) -> int:
-    from moeray.api import LLM
+    from moeray.cli import start_llm
     from router_service.grpc.server import start_grpc_server
 
     if owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
         enable_ray_token_auth()  # LLM starts the local Ray
-    try:
-        llm = LLM(model=a.model, ranks=a.ranks, address=a.address, max_queue=a.max_queue, **a.cluster_kw)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"moeray: error: {e}", file=sys.stderr)
-        return 2
+    llm = start_llm(a, max_queue=a.max_queue, **a.cluster_kw)  # the CLI's one error rule (exit 2 / 1)
+    if isinstance(llm, int):
+        return llm
     try:
         server = start_grpc_server(llm.router, a.host, a.grpc_port, api_key, a.served_model_name,
                                    request_timeout_s=a.request_timeout_s)

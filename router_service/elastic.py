@@ -7,6 +7,11 @@ the launcher form a new group over the survivors (`EPCluster.shrink`: no actor r
 and KV caches kept), (4) renumbers the survivors' streams, load accounting and channels, and serves again. The
 survivors' streams stall for the regroup and lose no token. When the regroup fails, or a second failure arrives
 meanwhile, the router falls back to the whole-group rebuild (`router_service.router`).
+
+Aborts meanwhile (a client cancels or disconnects): the launcher renumbers its rank list before the router renumbers
+its streams, so a stream's rank index means nothing during a regroup or a replacement's switch. `Router.abort`
+defers them (`abort_pending`) while the router is recovering, and `resend_aborts` sends them once the streams are
+renumbered; the survivors' streams make no step meanwhile, so the deferral costs no token.
 """
 from __future__ import annotations
 
@@ -58,10 +63,12 @@ def _shrink(router, gen: int, rank: int, reason: str, failed: int, t0: float) ->
         # connection is gone, so control frames take the actor calls meanwhile)
         router._channels.drop(rank)
         router._recovering = None
+        pending = _pending_aborts(router)
         router.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": 1, "elastic": True,
                                   "down_s": time.monotonic() - t0, "generation": router.cluster.generation,
                                   "world_size": info["world_size"], "regroup_s": info["regroup_s"]})
     log.warning("serving again on %d ranks after %.2f s (elastic)", info["world_size"], time.monotonic() - t0)
+    resend_aborts(router, pending)
     rejoin(router, gen)
 
 
@@ -102,10 +109,24 @@ def rejoin(router, gen: int) -> dict | None:
         router._ranks.insert(b)
         router._channels.add(b, router.cluster.ranks[b])
         router._recovering = None
+        pending = _pending_aborts(router)
         info["rejoin_s"] = time.monotonic() - t0
         router.rejoins.append(info)
         seq = next(router._seq)
     router._wake_others(None, seq)  # the new rank has seen no wake yet: all agree on this one
+    resend_aborts(router, pending)
     log.warning("serving on the whole group again (%d ranks), %.2f s after the replacement started",
                 info["world_size"], info["rejoin_s"])
     return info
+
+
+def _pending_aborts(router) -> list[str]:
+    """Under `router._lock`, once the streams are renumbered: the requests whose abort was deferred."""
+    return [rid for rid, s in router._streams.items() if s.abort_pending and s.admitted]
+
+
+def resend_aborts(router, request_ids: list[str]) -> None:
+    """Abort on their (renumbered) ranks the requests `Router.abort` deferred during a regroup or a switch; ones
+    finished meanwhile are skipped (`Router.abort` finds nothing)."""
+    for rid in request_ids:
+        router.abort(rid)

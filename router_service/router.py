@@ -30,7 +30,7 @@ from actors.engine.sampling import SamplingParams
 from actors.rank.output_channel import ABORT, REQUEST
 from actors.model.config import ModelConfig
 from cluster.config import ClusterConfig
-from cluster.launcher import EPCluster
+from cluster.launcher import EPCluster, PlacementTimeoutError
 from router_service.admission import PromptAdmission, default_max_queue
 from router_service.elastic import try_shrink
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
@@ -49,8 +49,8 @@ class Router:
         cluster: a running `EPCluster`, or a `ClusterConfig` to build one from in the background: the router
             answers at once, refusing requests with a retriable `EngineError` (HTTP 503 + Retry-After) and
             reporting `health()` status "starting" until the group is up (placement may wait for nodes; a Serve
-            replica must not hang meanwhile), retrying failed attempts; a ValueError (bad configuration) ends
-            the attempts and stays in `health()` ("failed").
+            replica must not hang meanwhile), retrying failed attempts; a ValueError (bad configuration) or a
+            PlacementTimeoutError (not placed in `cfg.placement_timeout_s`) ends them: `health()` "failed".
         max_queue: in-flight requests (running + queued) at most before refusing
             (None: `default_max_queue(max_model_len)`).
     Raises (from `submit`):
@@ -157,9 +157,9 @@ class Router:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            stream = self._streams.get(request_id)
-            seq = next(self._seq)
-            if stream is not None and not stream.admitted:  # the rank may not know it yet: cancel once it does
+            stream, seq = self._streams.get(request_id), next(self._seq)
+            # the rank may not know it yet, or a regroup renumbers the ranks (`elastic`): cancel once it can
+            if stream is not None and (not stream.admitted or self._recovering is not None):
                 stream.abort_pending = True
                 return
         if stream is not None:
@@ -242,7 +242,7 @@ class Router:
                 else:
                     self.cluster.restart()
                 break
-            except ValueError as e:  # a configuration no attempt can place: say so, stop trying
+            except (ValueError, PlacementTimeoutError) as e:  # no attempt can place it: say so, stop trying
                 if not first:
                     raise
                 log.error("EP group cannot be built: %s", e)

@@ -168,7 +168,7 @@ def test_more_node_groups_than_nodes_fail_within_the_timeout(ray_session):
     assert sum(1 for n in ray_session.nodes() if n["Alive"]) == 1
     t0 = time.monotonic()
     with pytest.raises(TimeoutError) as e:
-        EPCluster(ClusterConfig(ranks=2, ranks_per_node=1), timeout_s=3)
+        EPCluster(ClusterConfig(ranks=2, ranks_per_node=1, placement_timeout_s=3))
     assert time.monotonic() - t0 < 20
     msg = str(e.value)
     for w in ("2 node groups of ranks_per_node=1", "STRICT_SPREAD", "needs 2 nodes", "1 alive nodes", "within 3s"):

@@ -80,6 +80,27 @@ def test_a_configuration_that_cannot_be_built_is_reported(held, tiny_moe_dir):
     router.close()
 
 
+def test_an_unplaced_group_is_reported_not_retried(held, tiny_moe_dir, monkeypatch):
+    """A placement timeout (`ClusterConfig.placement_timeout_s`) cannot do better on a second attempt: the build
+    ends "failed" with describe_unplaced's message after one attempt (`moeray serve` exits with it; Serve
+    replaces the replica), while a plain TimeoutError (a rank's setup) is still retried (below)."""
+    from cluster.node_groups import PlacementTimeoutError
+
+    calls = []
+
+    def unplaced(self, cfg):
+        calls.append(cfg.placement_timeout_s)
+        raise PlacementTimeoutError("placement group of 2 x {'CPU': 8.0} not schedulable within 5s")
+
+    monkeypatch.setattr(HeldCluster, "__init__", unplaced)
+    monkeypatch.setattr(rmod.time, "sleep", lambda s: None)  # a (wrong) retry would come at once
+    router = rmod.Router(ClusterConfig(model=tiny_moe_dir, ranks=2, placement_timeout_s=5))
+    h = _wait_status(router, "failed")
+    assert h["error"] == "the EP group cannot be built: placement group of 2 x {'CPU': 8.0} not schedulable within 5s"
+    assert calls == [5]  # one attempt (the thread returns right after setting the error), the configured timeout
+    router.close()
+
+
 def test_a_failed_attempt_is_retried(held, tiny_moe_dir, monkeypatch):
     calls = []
     real = HeldCluster.__init__
