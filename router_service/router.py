@@ -272,11 +272,8 @@ class Router:
         deadline = time.monotonic() + timeout_s
         while self.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = self.streams()
-        for st in left:  # the ranks let go of them (and their KV blocks) at once
-            with self._lock:
-                seq = next(self._seq)
-            self._abort_on_rank(st.rank, st.request_id, seq)
+        for st in self.streams():  # the ranks let go of them (and their KV blocks) at once, or after a regroup
+            self.abort(st.request_id)
         return self._fail_rank(None, "the server is shutting down; retry the request")
 
     def get_stream(self, request_id: str) -> RequestStream | None:
