@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--k-channel-bits", type=int, default=None, metavar="B",
                    help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
                         "(kernels.kv_calibrate.fit_kv_profile); 0: one width for every channel. Default: the shipped "
-                        "recipe for --bits (152 bits at 2 bits, 256 at 4, per 64-channel row, scaled to the model's head_dim)")
+                        "recipe for --bits (152 bits at 2 bits, 216 at 3, 320 at 4, per 64-channel row, scaled to the model's head_dim)")
     p.set_defaults(func=cmd_calibrate)
 
 

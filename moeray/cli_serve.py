@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="required bearer key (default: $MOERAY_API_KEY; none if unset)")
     p.add_argument("--max-queue", type=int, default=ServeAppArgs.model_fields["max_queue"].default,
                    help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: by memory, "
-                        "4096 at max_model_len 1024)")
+                        "1024 at max_model_len 4096)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
     p.add_argument("--request-timeout-s", type=float, default=ServeAppArgs.model_fields["request_timeout_s"].default,

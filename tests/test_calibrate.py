@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from actors.kv.calibration import RECOMMENDED_FIT_OPTIONS, model_effective_bits
+from actors.kv.calibration import K_CHANNEL_BITS_3, RECOMMENDED_FIT_OPTIONS, model_effective_bits
 from actors.kv.profile_choice import CODE_CHAR_THRESHOLD, choose_profile, code_fraction
 from actors.kv.profiles import load_profile, load_profiles
 from moeray.cli import main
@@ -35,7 +35,10 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     assert meta["domain"] == "code" and meta["bits"] == 3 and meta["n_outlier_k"] == 0
     # no fit flags: the shipped 3-bit recipe (finalize_model.sh relies on it)
     fit = {k: meta["fit_options"][k] for k in RECOMMENDED_FIT_OPTIONS[3]}
-    assert fit == RECOMMENDED_FIT_OPTIONS[3]
+    from actors.model.config import ModelConfig
+
+    head_dim = ModelConfig.from_pretrained(model).head_dim  # the key row budget scales with it
+    assert fit == {**RECOMMENDED_FIT_OPTIONS[3], "k_channel_bits": round(K_CHANNEL_BITS_3 * head_dim / 64)}
     assert meta["calibration_files"] == ["code.txt"] and 0 < meta["calibration_tokens"] <= 150
     assert 3.0 < meta["effective_bits_1024"] < 4.5  # codes, fp16 V scales, profile tensors over 1024 tokens
     prof = load_profile(str(st))
@@ -45,12 +48,16 @@ def test_calibrate_writes_profile_the_engine_loads(model_and_data, capsys):
     # codebook / key-range flags override the recipe and reach the fit and its metadata (the outlier count stays
     # the recipe's: profiles of one width in one folder must share a layout)
     rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "3", "--model", model,
-               "--tokens", "150", "--window", "64", "--codebook", "uniform", "--codebook-v", "kmeans",
-               "--k-range", "minmax", str(out)])
+               "--tokens", "150", "--window", "64", "--codebook", "kmeans", "--codebook-v", "uniform",
+               "--k-range", "mse", "--k-channel-bits", "0", str(out)])
     assert rc == 0
     fit = json.loads((out / "prose-3bit.json").read_text())["fit_options"]
-    assert (fit["codebook"], fit["codebook_v"], fit["k_range"]) == ("uniform", "kmeans", "minmax")
-    assert torch.equal(load_profile(str(out / "prose-3bit")).layers[0].k_codebook, torch.linspace(-1, 1, 8))
+    assert (fit["codebook"], fit["codebook_v"], fit["k_range"], fit.get("k_channel_bits")) == (
+        "kmeans", "uniform", "mse", None)
+    prose = load_profile(str(out / "prose-3bit")).layers[0]
+    assert not prose.per_channel_keys and not torch.equal(prose.k_codebook, torch.linspace(-1, 1, 8))
+    assert torch.equal(prose.v_codebook, torch.linspace(-1, 1, 8))
+    assert load_profile(str(st)).layers[0].per_channel_keys  # the recipe's code profile: per-channel key widths
     profiles, default = load_profiles(model, 3, str(out))
     assert sorted(profiles) == ["code", "prose"] and default == "auto"
     from actors.model.config import ModelConfig

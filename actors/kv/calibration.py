@@ -17,11 +17,20 @@ from actors.kv.profiles import ModelKVProfile
 # on 2-bit codes plus one fp16 outlier channel (18) plus one. Each channel gets 2-8 bits by query-energy-weighted
 # key error; with query energies from calibration (bench/kv_quality.py and `moeray calibrate` collect them).
 K_CHANNEL_BITS_2 = 152
-# The 4-bit recipe uses the same per-channel widths at 4 bits per key element on average (256 bits = 32 bytes
-# per head row for D = 64, the bytes of plain 4-bit codes): on the stage-4 tiny-moe checkpoint it raised
-# teacher-forced top-1 agreement with full-precision KV from 0.957 to 0.971 (mean of 4 held-out prose slices of
-# 512 tokens) where the single-width k-means recipe missed the 97% target (BENCHMARKS.md, KV section).
-K_CHANNEL_BITS_4 = 256
+# The 4-bit recipe uses the same per-channel widths, at 5 bits per key element on average (320 bits = 40 bytes
+# per head row for D = 64) with 4-bit values: the keys carry the error. On the 4k tiny-moe checkpoint (teacher-
+# forced top-1 agreement with full-precision KV, mean of 4 held-out 512-token slices, prose / code): keys at 256
+# bits 0.963 / 0.940, at 288 0.971 / 0.953, at 320 0.974 / 0.964, at 512 (8 bits) 0.981 / 0.972; values in full
+# precision instead (keys at 256) 0.972 / 0.951. 256 bits met the 97% bar on the stage-4 checkpoint (0.971).
+K_CHANNEL_BITS_4 = 320
+# The 3-bit recipe too, at 216 bits per head row (27 bytes for D = 64: 3.375 bits per key element), which keeps the
+# 3-bit cache at 3.33 bits per element at 4,096 tokens (<= 3.4, issue 21). On the 4k tiny-moe checkpoint
+# (bench/kv_quality.py --quick --retrieval, 4,096-token windows) the per-channel keys took the 3-bit cache's mean
+# KLD from 0.075 (one k-means key codebook) to 0.027 at 200 bits and 0.015 at 232, and retrieval from 0.68 to
+# 0.97 of fp16's. An MSE clip search on the per-channel ranges (`k_range="mse"`) lowered KLD a little more at
+# every width but cost retrieval (2 bits: 0.86 -> 0.54 of fp16's): the rare large keys that decide where
+# attention goes are the ones clipping hurts, so every recipe keeps the calibrated min/max range.
+K_CHANNEL_BITS_3 = 216
 # The shipped recipe per code width (what models/tiny-moe/kv_profiles/ was calibrated with and what
 # bench/kv_quality.py reports as `ours<b>`): `kernels.kv_calibrate.fit_kv_profile` options. Chosen on tiny-moe's
 # held-out text (BENCHMARKS.md, KV section): at 3 and 4 bits fp16 key outlier channels buy nothing
@@ -33,7 +42,8 @@ K_CHANNEL_BITS_4 = 256
 RECOMMENDED_FIT_OPTIONS = {
     2: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
             k_range="minmax", k_channel_bits=K_CHANNEL_BITS_2),
-    3: dict(n_outlier=0, n_outlier_v=0, codebook="kmeans", codebook_v="kmeans", use_v_zero=True, k_range="mse"),
+    3: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
+            k_range="minmax", k_channel_bits=K_CHANNEL_BITS_3),
     4: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
             k_range="minmax", k_channel_bits=K_CHANNEL_BITS_4),
 }

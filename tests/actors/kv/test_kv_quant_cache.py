@@ -307,11 +307,14 @@ def test_idle_rank_reports_every_kv_block_free():
     eng = _engine(model, kv_bits=3, max_model_len=512, kv_cache_bytes=64 << 20)
     es = eng.stats()
     assert es["kv_blocks_free"] == es["kv_blocks_total"] == eng.cache.num_blocks
-    assert es["kv_blocks_admissible"] == eng.cache.allocator.num_free < es["kv_blocks_free"]
+    # the pool's reserve page may or may not cost a block: that depends on how the block bytes round into pages
+    assert es["kv_blocks_admissible"] == eng.cache.allocator.num_free <= es["kv_blocks_free"]
 
 
 def test_4bit_top1_agreement_on_heldout(tmp_path):
-    """Teacher-forced top-1 agreement of the 4-bit quantized cache vs full precision >= 97% (held-out prose)."""
+    """Teacher-forced top-1 agreement of the 4-bit quantized cache vs full precision >= 97% (held-out prose), the
+    mean over the last 4 disjoint 512-token slices (one slice alone moves by +-1.5% between checkpoints: the 1k
+    checkpoint read 0.979 on the last slice, 0.965 on the mean; the 4k one 0.965 on both with 256 key bits)."""
     model = _shipped_or_interim()
     if model is None:
         pytest.skip(f"no trained model at {DEFAULT_MODEL} (or {INTERIM}); train/export it first")
@@ -326,10 +329,9 @@ def test_4bit_top1_agreement_on_heldout(tmp_path):
         save_profile(fit_model_profile(k, v, name="prose", bits=4, n_outlier=2),
                      os.path.join(profiles, profile_filename("prose", 4)))
     q = _engine(model, max_model_len=512, kv_bits=4, kv_profile=profiles)
-    sl = ids[-512:]
-    a, b = fp.prompt_logits(sl).argmax(-1), q.prompt_logits(sl).argmax(-1)
-    agree = (a == b).float().mean().item()
-    assert agree >= 0.97, f"top-1 agreement {agree:.4f} < 0.97"
+    slices = [ids[len(ids) - 512 * (i + 1):len(ids) - 512 * i] for i in range(4)]
+    agree = [(fp.prompt_logits(sl).argmax(-1) == q.prompt_logits(sl).argmax(-1)).float().mean().item() for sl in slices]
+    assert sum(agree) / 4 >= 0.97, f"top-1 agreement per slice {agree}: mean < 0.97"
 
 
 def test_mixed_width_pool_fragmentation_under_5_percent():

@@ -1,5 +1,5 @@
-"""The 4,096-token candidate checkpoint `models/tiny-moe-4k`: transformers loads it (its `rope_parameters` are the
-default rope type) and moeray's logits match transformers' past the 1,024 positions the shipped model reads."""
+"""The shipped checkpoint reads 4,096 tokens (issue 21): transformers loads it (its `rope_parameters` are the default
+rope type) and moeray's logits match transformers' past the 1,024 positions the previous checkpoint read."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,11 @@ from actors.engine.config import EngineConfig
 from actors.engine.engine import RankEngine
 from actors.model.config import ModelConfig
 from actors.moe.placement import ExpertPlacement
+from tests.conftest import SHIPPED as MODEL
 from tests.tiny_models import load_hf
 
-MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe-4k")
 
-
-def test_4k_candidate_matches_transformers_past_position_1024():
+def test_shipped_model_matches_transformers_past_position_1024():
     cfg = json.load(open(os.path.join(MODEL, "config.json")))
     assert cfg["max_position_embeddings"] == 4096 and cfg["rope_parameters"]["rope_type"] == "default"
     mc = ModelConfig.from_pretrained(MODEL)
