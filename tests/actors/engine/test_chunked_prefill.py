@@ -5,10 +5,14 @@ the scheduler keeps every step within the budget and every decode scheduled; pre
 Tolerances. Full precision: < 1e-4 (fp32; measured ~4e-6: GEMMs over different row counts round differently).
 Quantized KV (3/4 bits): the same rounding moves a K/V value by ~1e-6 before it is quantized, and a value within
 that distance of a code boundary takes the neighbouring code (measured: 1 V code of 288 x 2 x 64 at 4 bits on a
-300-token prompt, 2.8e-4 on the logits; with identical K/V the pages are bit-identical,
-tests/actors/kv/test_kv_chunked_prefill.py). So chunked-quantized is compared to unchunked-quantized at < 1e-3,
-four orders below what quantization itself changes (quantized vs full-precision logits differ by ~9 on the shipped
-model), and greedy tokens must be equal.
+300-token prompt, 2.8e-4 on the logits; with per-channel key widths a key code of a 2-bit channel moves further:
+2.9e-3 at 3 bits on the PyTorch path; with identical K/V the pages are bit-identical,
+tests/actors/kv/test_kv_chunked_prefill.py). So chunked-quantized is compared to unchunked-quantized at < 1e-2,
+three orders below what quantization itself changes (quantized vs full-precision logits differ by ~9 on the shipped
+model), and greedy tokens must be equal. One sampled position per request may differ more: a code moved that way
+reaches the gates, and a token whose 2nd and 3rd expert logits are within ~1e-4 (measured: 9e-5 in this test's decode
+steps on the 4k checkpoint, 4-bit KV) can take the other expert (logits of that position 1.0 apart, the next ones back
+to ~1e-4).
 Gating: `exact`, `sticky` and `velocity` depend only on each sequence's own tokens (the per-sequence slot survives
 across chunks), so they are pinned equal; `balanced` (a bias updated from each step's expert load) and `capacity`
 (per-step expert capacity) depend on which tokens share a step by design, so chunking may change their output.
@@ -100,10 +104,12 @@ def test_chunked_prefill_equals_unchunked(kv_bits, gating):
     prefill_steps = [(d, n) for d, n in s1 if n > d]
     assert len(prefill_steps) >= -(-300 // (BUDGET - 3)) and all(d == 3 for d, _ in prefill_steps[1:-1])
     assert t1 == t0 and sorted(t0) == ["long", "s0", "s1", "s2"] and len(t0["long"]) == 8
-    tol = 1e-4 if kv_bits is None else 1e-3
+    tol = 1e-4 if kv_bits is None else 1e-2
     for rid in t0:
         assert l0[rid].shape == l1[rid].shape
-        assert (l0[rid] - l1[rid]).abs().max().item() < tol, rid
+        off = ((l0[rid] - l1[rid]).abs().amax(-1) >= tol).sum().item()
+        # quantized: one sampled position per request may differ more (module docstring: a routing near-tie)
+        assert off == 0 or (kv_bits is not None and off <= 1), (rid, off, (l0[rid] - l1[rid]).abs().amax(-1))
     chunked.scheduler.prefix.clear()  # retained prefix-cache sources hold their pages until evicted
     assert not chunked._slot_of and chunked.cache.allocator.num_free == chunked.cache.allocator.num_blocks
 
