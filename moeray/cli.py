@@ -242,11 +242,8 @@ def start_llm(a, **kw):
         from cluster.node_groups import PlacementTimeoutError
 
         why = str(e) if isinstance(e, PlacementTimeoutError) else f"{type(e).__name__}: {e}"
+        # a Ray that LLM started is stopped by LLM itself; one the caller started is left to them
         print(f"moeray: error: could not bring up the cluster: {why}", file=sys.stderr)
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
         return 1
 
 

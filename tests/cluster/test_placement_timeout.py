@@ -97,7 +97,14 @@ def test_unplaced_is_one_error_line_and_exit_1(monkeypatch, capsys, argv):
         got.append(kw)
         raise raised[len(got) - 1]
 
+    import ray
+
+    def no_shutdown():  # a Ray the caller started (here: the suite's) is theirs; LLM stops one it started itself
+        raise AssertionError("start_llm shut down a Ray it did not start")
+
     monkeypatch.setattr(moeray.api, "LLM", unplaced)
+    monkeypatch.setattr(ray, "shutdown", no_shutdown)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as when the caller's own Ray is up
     monkeypatch.setattr(cli_serve, "enable_ray_token_auth", lambda: False)
     model = ["--model", DEFAULT_MODEL]
     assert cli.main([*argv, *model, "--placement-timeout-s", "2"]) == 1
