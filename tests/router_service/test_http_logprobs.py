@@ -317,7 +317,7 @@ def test_two_ranks_logprobs_equal_transformers(ray_session, ref_logprobs):
     from actors.engine.sampling import SamplingParams
     from moeray.api import LLM
 
-    llm = LLM(model=SHIPPED, ranks=2, kv_cache_bytes=4 * 2**20, max_num_seqs=4, max_batched_tokens=16)
+    llm = LLM(model=SHIPPED, ranks=2, max_model_len=1024, kv_cache_bytes=4 * 2**20, max_num_seqs=4, max_batched_tokens=16)
     try:
         ids = llm.router.tokenizer.encode(PROMPT).ids
         outs = llm.generate([PROMPT, PROMPT], [
