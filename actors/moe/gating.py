@@ -33,7 +33,10 @@ class GatingConfig:
     policy: str = "exact"
     backend: str = "torch"  # fused selection kernel: "torch" (reference) | "triton"
     balance_rate: float = 2e-3  # u, in score (probability) units per bias step
-    balance_tokens: int = 64  # a step's bias moves ceil(tokens / balance_tokens) * u (tokens over the EP group)
+    # a step's bias moves ceil(tokens / balance_tokens) * u (tokens over the EP group). 256 on the 4k tiny-moe
+    # (bench/gating.py --no-decode, balanced max/mean, full / quick): 64 1.180 / 1.168, 128 - / 1.118, 256 1.136 /
+    # 1.092, 512 (one u per step up to 512 tokens) 1.128 / 1.096; exact routing 1.161 / 1.139
+    balance_tokens: int = 256
     capacity_factor: float = 1.25
     top_p: float = 0.6
     k_min: int = 1
@@ -43,7 +46,10 @@ class GatingConfig:
     velocity_slow: float = 0.3  # about the bottom 2-3%
     velocity_k: int = 1
     velocity_shared_boost: float = 0.5
-    sticky_margin: float = 0.235  # halves thrash within +1% on the shipped model (bench/gating.py quick +0.96%, full +0.83%)
+    # the largest swept margin within +1% on the 4k tiny-moe (bench/gating.py --no-decode, thrash / dppl, full and
+    # quick): 0.09 0.443 @ +0.97% / 0.441 @ +0.74%, 0.1 0.417 @ +1.03% / 0.414 @ +0.85%, exact 0.80; halving it
+    # (0.11: 0.392 @ +1.21%) now costs more than 1%. 0.235 on the 1k checkpoint: 0.16 @ +2.3% here.
+    sticky_margin: float = 0.09
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

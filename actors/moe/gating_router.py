@@ -9,7 +9,7 @@ and finite weights; ids of -1 with weight 0 pad rows that use fewer experts than
   arXiv 2408.15664). A per-layer, per-expert bias b is added to the scores for selection only; once per
   step, b_i += n * u * sign(mean load - load_i) over that step's load of the layer's `balanced` tokens summed over
   the EP group, n = ceil(tokens / `balance_tokens`) with tokens the layer's `balanced` tokens in that load (so a
-  512-token prefill step moves the bias as far as 8 decode steps of 64 tokens; the papers step once per
+  1,024-token prefill step moves the bias as far as 4 decode steps of <= 256 tokens; the papers step once per
   training batch of far more tokens than a serving step holds) (`take_balance_load` on every rank, summed, then `update_bias` on every rank: the engine at
   world size 1, the lockstep agreement otherwise), so every rank holds the same bias after every step and a
   token's experts depend on the traffic balanced over, never on how it is split over ranks. Weights stay the

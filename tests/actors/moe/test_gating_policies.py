@@ -88,7 +88,7 @@ def test_balanced_bias_step_is_the_sign_rule_on_the_summed_load():
     """update_bias: b += ceil(tokens / balance_tokens) * u * sign(mean - load) per layer with load (tokens =
     load / top_k); a layer without load keeps its bias;
     take_balance_load counts this router's balanced selections since the last take, then restarts."""
-    r = make_router("balanced", balance_rate=0.5)
+    r = make_router("balanced", balance_rate=0.5, balance_tokens=64)
     assert r.take_balance_load() is None
     logits = torch.full((3, E), -5.0)
     logits[:, 1] = logits[:, 6] = 5.0  # experts 1 and 6 for all three tokens
