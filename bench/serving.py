@@ -159,11 +159,14 @@ def prompts_from_heldout(n: int) -> list[str]:
     return [lines[(i * 37) % len(lines)][:80] for i in range(n)]
 
 
-def long_prompt(tokens: int) -> str:
+def long_prompt(tokens: int, part: int = 0) -> str:
+    """`tokens` tokens of held-out prose from the `part`-th 40,000-character slice: each probe its own slice, so a
+    server's prefix cache never serves one probe from another (a repeated 500-token prompt read 10 ms "busy")."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(os.path.join(MODEL, "tokenizer.json"))
-    ids = tok.encode(open(os.path.join(MODEL, "heldout", "prose.txt")).read()[:40000]).ids[:tokens]
+    text = open(os.path.join(MODEL, "heldout", "prose.txt")).read()[40000 * part:40000 * (part + 1)]
+    ids = tok.encode(text).ids[:tokens]
     return tok.decode(ids)
 
 
@@ -245,7 +248,8 @@ async def greedy_texts(srv: Server, sess, prompts: list[str]) -> list[str]:
     return [(await stream(sess, srv.port, p, max_tokens=32, ignore_eos=False))["text"] for p in prompts]
 
 
-async def run_server(srv: Server, concs: list[int], prompts: list[str], p500: str, p1000: str, timeout: float) -> dict:
+async def run_server(srv: Server, concs: list[int], prompts: list[str], p500: tuple[str, str], p1000: str,
+                     timeout: float) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -265,8 +269,8 @@ async def run_server(srv: Server, concs: list[int], prompts: list[str], p500: st
             raise RuntimeError(f"{srv.name} not healthy within {timeout:.0f} s")
         await asyncio.gather(*[stream(sess, srv.port, p, max_tokens=16) for p in prompts[:8]])  # warm-up
         out = {"loads": {c: await load(srv, sess, c, prompts) for c in concs}}
-        out["ttft500"] = await ttft_probe(srv, sess, p500, None)
-        out["ttft500_busy"] = await ttft_probe(srv, sess, p500, prompts[:32])
+        out["ttft500"] = await ttft_probe(srv, sess, p500[0], None)
+        out["ttft500_busy"] = await ttft_probe(srv, sess, p500[1], prompts[:32])
         out["max_gap_ratio"] = await gap_probe(srv, sess, prompts, p1000)
         out["greedy"] = await greedy_texts(srv, sess, prompts[:8])
         return out
@@ -286,7 +290,7 @@ def main() -> None:
     rounds = a.rounds or (3 if a.quick else 5)
     concs = [int(x) for x in a.concurrency.split(",")]
     prompts = prompts_from_heldout(64)
-    p500, p1000 = long_prompt(500), long_prompt(1000)
+    p500, p1000 = (long_prompt(500, 0), long_prompt(500, 1)), long_prompt(1000, 2)  # never a cached prefix
     kinds = [("moeray", int(r)) for r in a.ranks_list.split(",")]
     peer_py = peer_dir = None
     if a.peer == "vllm":
