@@ -273,7 +273,9 @@ class Router:
         while self.in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
         for st in self.streams():  # the ranks let go of them (and their KV blocks) at once, or after a regroup
-            self.abort(st.request_id)
+            with self._lock:
+                recovering, seq = self._recovering is not None, next(self._seq)
+            self.abort(st.request_id) if recovering else self._abort_on_rank(st.rank, st.request_id, seq)
         return self._fail_rank(None, "the server is shutting down; retry the request")
 
     def get_stream(self, request_id: str) -> RequestStream | None:
