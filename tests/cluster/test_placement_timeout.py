@@ -16,6 +16,7 @@ import yaml
 from cluster.config import CLI_PLACEMENT_TIMEOUT_S, DEFAULT_MODEL, ClusterConfig
 from cluster.node_groups import PlacementTimeoutError
 from moeray import cli, cli_serve
+from tests.cluster.test_placement_strategy import _parsed
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 UNPLACED = ("placement group of 2 node groups of ranks_per_node=1 ranks (2 x {'CPU': 0.5}) not schedulable within "
@@ -30,14 +31,6 @@ def test_cluster_config_default_and_validation():
         with pytest.raises(ValueError, match=rf"^placement_timeout_s={bad} must be > 0 and finite \(seconds\)$"):
             ClusterConfig(placement_timeout_s=bad)
     assert issubclass(PlacementTimeoutError, TimeoutError)  # callers catching TimeoutError still do
-
-
-def _parsed(monkeypatch, argv: list[str]):
-    got = {}
-    monkeypatch.setattr(cli, "cmd_generate", lambda a: got.setdefault("a", a) and 0)
-    monkeypatch.setattr(cli_serve, "cmd_serve", lambda a: got.setdefault("a", a) and 0)
-    assert cli.main(argv) == 0
-    return got["a"]
 
 
 @pytest.mark.parametrize("cmd", [["generate", "hi"], ["serve"]])
