@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -187,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     """Standalone gRPC server: start (or join) Ray, bring up the EP cluster, serve until interrupted."""
     import ray
 
-    from cluster.config import DEFAULT_MODEL, ClusterConfig
-    from cluster.launcher import EPCluster
+    from cluster.config import CLI_PLACEMENT_TIMEOUT_S, DEFAULT_MODEL, ClusterConfig, check_placement_timeout
+    from cluster.launcher import EPCluster, PlacementTimeoutError
 
     ap = argparse.ArgumentParser(prog="python -m router_service.grpc.server")
     ap.add_argument("--model", default=os.environ.get("MOERAY_MODEL", DEFAULT_MODEL))
@@ -202,14 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S,
                     help=f"a Generate call still generating after this many seconds is aborted with "
                          f"DEADLINE_EXCEEDED (default {REQUEST_TIMEOUT_S:g})")
+    ap.add_argument("--placement-timeout-s", type=float, default=CLI_PLACEMENT_TIMEOUT_S,
+                    help="seconds to wait for Ray to place the ranks before exiting 1 with what could not be placed "
+                         f"(default {CLI_PLACEMENT_TIMEOUT_S:g})")
     a = ap.parse_args(argv)
     if not a.request_timeout_s > 0:
         ap.error(f"--request-timeout-s={a.request_timeout_s} must be > 0")
+    try:
+        check_placement_timeout(a.placement_timeout_s)
+    except ValueError as e:
+        ap.error(f"--{str(e).replace('_', '-')}")
     logging.basicConfig(level=os.environ.get("MOERAY_LOG", "INFO"))
-    cfg = ClusterConfig.auto(model=a.model, **({"ranks": a.ranks} if a.ranks else {}))
+    cfg = ClusterConfig.auto(model=a.model, placement_timeout_s=a.placement_timeout_s,
+                             **({"ranks": a.ranks} if a.ranks else {}))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-    router = Router(EPCluster(cfg), max_queue=a.max_queue)
+    try:
+        cluster = EPCluster(cfg)
+    except PlacementTimeoutError as e:
+        print(f"error: could not bring up the cluster: {e}", file=sys.stderr)
+        return 1
+    router = Router(cluster, max_queue=a.max_queue)
     server = start_grpc_server(router, a.host, a.port, a.api_key, max_concurrency=a.max_concurrency,
                                request_timeout_s=a.request_timeout_s)
     print(f"moeray gRPC on {server.address}", flush=True)

@@ -145,3 +145,25 @@ def test_cli_reports_an_unplaceable_layout_without_a_traceback(tmp_path):
     (line,) = [l for l in p.stderr.splitlines() if l.startswith("moeray:")]
     assert line.startswith(f"moeray: error: could not bring up the cluster: {UNPLACED[:-1]}")
     assert time.monotonic() - t0 < 60
+
+
+def test_standalone_grpc_server_flag(ray_session, tiny_model_dir, capsys):
+    """`python -m router_service.grpc.server` takes --placement-timeout-s too: a bad value is a usage error (exit 2)
+    naming the flag, and a layout the cluster cannot hold (64 ranks of 0.5 CPU on the suite's 4-CPU Ray) exits 1
+    within the timeout with describe_unplaced's message on one line, not a 300 s wait and a traceback."""
+    from router_service.grpc.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--placement-timeout-s", "0"])
+    assert e.value.code == 2 and "--placement-timeout-s=0.0 must be > 0 and finite" in capsys.readouterr().err
+    t0 = time.monotonic()
+    rc = main(["--model", tiny_model_dir("qwen2_moe", num_layers=2), "--ranks", "64", "--placement-timeout-s", "2",
+               "--port", "0"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 1 and 2 <= took < 30, (rc, took)  # the timeout, not the 300 s default (2 busy cores: ~10 s)
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: could not bring up the cluster: placement group of 64 x {'CPU': 0.5} not "
+                           "schedulable within 2.0s under PACK"), line
+    pending = [t for t in ray_session.util.placement_group_table().values() if t["state"] == "PENDING"]
+    assert pending == [] and ray_session.is_initialized()
