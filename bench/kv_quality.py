@@ -54,7 +54,7 @@ scales, outlier values, full-precision sink/tail tokens at 16 bits, and the prof
 this one window. The per-sequence staging buffer (sink + one block of rows) is reserved by the cache whether or
 not it holds live tokens and is not counted.
 
-    python bench/kv_quality.py --quick --retrieval     # today's 1024-token model: ~15 minutes on 2 CPU cores
+    python bench/kv_quality.py --quick --retrieval     # the shipped 4,096-token model: ~27 minutes on 2 CPU cores
     python bench/kv_quality.py --windows 8 --retrieval --contexts 1024,2048,4096
 
 Last line: `RESULT bits3=.. dppl3_prose=.. dppl3_code=.. bits2=.. dppl2_prose=.. dppl2_code=.. uniform3_bits=..

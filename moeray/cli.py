@@ -130,7 +130,7 @@ def add_engine_args(p) -> None:
                    help="packed-expert kernels (triton on CPU needs TRITON_INTERPRET=1, set automatically)")
     p.add_argument("--gating", default="exact",
                    choices=["exact", "balanced", "capacity", "dynamic", "velocity", "sticky"],
-                   help="gating policy of the deployment (see actors/moe/gating.py)")
+                   help="gating policy of the deployment (the rules: actors/moe/gating_router.py)")
     p.add_argument("--gating-option", action="append", default=[], metavar="KEY=VALUE",
                    help="gating knob, e.g. sticky_margin=0.1 or top_p=0.6 (repeatable)")
 
@@ -278,7 +278,8 @@ def cmd_generate(a) -> int:
     for i, o in enumerate(outs):
         if o.finish_reason == "error":
             failed += 1
-            print(f"moeray: prompt {o.prompt!r} failed: {o.error}", file=sys.stderr)
+            shown = o.prompt if len(o.prompt) <= 60 else o.prompt[:57] + "..."  # a 4k-token prompt is one line
+            print(f"moeray: prompt {i + 1}/{len(outs)} ({shown!r}) failed: {o.error}", file=sys.stderr)
         if a.json:
             print(json.dumps({"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
                               "finish_reason": o.finish_reason, **({"error": o.error} if o.error else {})}))

@@ -1,0 +1,30 @@
+"""`moeray generate` reports a failed prompt on one short stderr line: its position and its first 57 characters, not
+the whole prompt (a 4,096-token prompt echoed back was one line of ~20 kB); the others are still printed."""
+from __future__ import annotations
+
+import moeray.api
+from moeray import cli
+from router_service.stream import RequestOutput
+
+
+class FakeLLM:
+    def __init__(self, **kw):
+        pass
+
+    def generate(self, prompts, params):
+        return [RequestOutput(request_id="0", prompt=prompts[0], finish_reason="error",
+                              error="prompt has 4100 tokens; the context window is 4096"),
+                RequestOutput(request_id="1", prompt=prompts[1], text=" world", finish_reason="length")]
+
+    def shutdown(self):
+        pass
+
+
+def test_a_failed_long_prompt_is_one_short_line(monkeypatch, capsys):
+    monkeypatch.setattr(moeray.api, "LLM", FakeLLM)
+    long = "THE TEMPEST\n\n" + "word " * 4000
+    assert cli.main(["generate", long, "hello", "--max-tokens", "4"]) == 1
+    out, err = capsys.readouterr()
+    want = f"moeray: prompt 1/2 ({long[:57] + '...'!r}) failed: prompt has 4100 tokens; the context window is 4096\n"
+    assert err == want and len(err) < 200
+    assert out == "--- prompt 2/2: 'hello' ---\n world\n"
