@@ -181,6 +181,13 @@ def engine_kwargs(a) -> dict:
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,
             "weight_storage": a.weight_storage, "enable_chunked_prefill": a.enable_chunked_prefill,
             "enable_prefix_caching": a.prefix_caching}
+    if a.kv_bits is not None:  # a profile the ranks cannot load fails here, not in their setup after Ray started
+        from actors.kv.profiles import load_served_profiles
+
+        try:
+            load_served_profiles(a.model, a.kv_bits, a.kv_profile, tuple(a.kv_extra_bits or ()))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--kv-profile: {e}") from None
     if a.gating_option:
         opts["gating_options"] = parse_gating_options(a.gating_option)
         from actors.moe.gating import GatingConfig

@@ -28,3 +28,17 @@ def test_a_failed_long_prompt_is_one_short_line(monkeypatch, capsys):
     want = f"moeray: prompt 1/2 ({long[:57] + '...'!r}) failed: prompt has 4100 tokens; the context window is 4096\n"
     assert err == want and len(err) < 200
     assert out == "--- prompt 2/2: 'hello' ---\n world\n"
+
+
+def test_a_kv_profile_the_ranks_cannot_load_exits_2_before_ray(monkeypatch, capsys):
+    """`--kv-bits 3 --kv-extra-bits 2 --kv-profile prose-2bit` (an extra width as the deployment default) failed in
+    the ranks' setup with a Ray traceback; it is refused at the edge, exit 2, naming the flag."""
+    def no_cluster(**kw):
+        raise AssertionError("the cluster was started")
+
+    monkeypatch.setattr(moeray.api, "LLM", no_cluster)
+    assert cli.main(["generate", "hi", "--kv-bits", "3", "--kv-extra-bits", "2", "--kv-profile", "prose-2bit"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moeray: error: --kv-profile: kv_profile='prose-2bit' not found among the 3-bit profiles")
+    assert cli.main(["generate", "hi", "--kv-bits", "3", "--kv-profile", "nope.safetensors"]) == 2
+    assert "--kv-profile" in capsys.readouterr().err
