@@ -162,8 +162,9 @@ def fit_kv_profile(
             uniform grid over its calibrated range (after `percentile`; codebook then does not apply to
             keys), allocated by `allocate_channel_bits` on the calibration keys' squared error weighted by
             `query_energy`. With k_range="mse" each channel's error at each width is the least over
-            `MSE_CLIP_FACTORS` of its half-range, and the channel keeps the factor of the width it gets. Outlier channels get k_min_bits (their slots are ignored) and should
-            normally be 0: a large channel gets more bits instead. B in [k_min_bits * D, 8 * D]; the key
+            `MSE_CLIP_FACTORS` of its half-range, and the channel keeps the factor of the width it gets.
+            Outlier channels get k_min_bits (their slots are ignored) and should normally be 0: a large channel
+            gets more bits instead. B in [k_min_bits * D, 8 * D]; the key
             row costs ceil(B / 8) bytes per token and head.
         query_energy: [H, D] float >= 0, the weight of channel d's squared key error: for RoPE'd attention,
             the mean over calibration queries of (q_d**2 + q_{d +- D/2}**2) / 2 summed over the KV head's
@@ -226,12 +227,13 @@ def fit_kv_profile(
         if query_energy is not None and tuple(query_energy.shape) != (h, d):
             raise ValueError(f"query_energy.shape={tuple(query_energy.shape)} must be [H={h}, D={d}]")
         w_HD = torch.ones(h, d) if query_energy is None else query_energy.detach().float().cpu().clamp_min(0)
-        err, factor_BHD = _channel_grid_errors(k, zero_HD, scale_HD, MSE_CLIP_FACTORS if k_range == "mse" else (1.0,))
+        factors = MSE_CLIP_FACTORS if k_range == "mse" else (1.0,)
+        err, factor_BHD = _channel_grid_errors(k, zero_HD, scale_HD, factors)
         # outlier channels never go through the grid; keep them at the floor so the budget goes elsewhere
         w_HD = torch.where(k_in_HD.cpu(), w_HD, torch.zeros(()))
         k_bits_HD = allocate_channel_bits(err, w_HD, k_channel_bits, min_bits=k_min_bits).to(k.device)
-        scale_HD = torch.where(k_in_HD, scale_HD * factor_BHD.gather(0, k_bits_HD.long()[None].cpu())[0].to(k.device),
-                               scale_HD)
+        chosen_HD = factor_BHD.gather(0, k_bits_HD.long()[None].cpu())[0].to(k.device)  # 1.0 unless mse
+        scale_HD = torch.where(k_in_HD, scale_HD * chosen_HD, scale_HD)
         k_codebook = torch.linspace(-1.0, 1.0, 1 << bits, device=k.device)  # unused with k_bits
         k_range = "minmax"  # done: each channel's clip factor was chosen at its own width above
     else:

@@ -138,11 +138,12 @@ def add_engine_args(p) -> None:
 def engine_kwargs(a) -> dict:
     """ClusterConfig keywords (engine_options included) from `add_engine_args` flags.
 
-    Raises ValueError on --placement-timeout-s not > 0 (or not finite), --ranks not a multiple of --ranks-per-node
-    (unset --ranks: 2, or one per visible GPU), --ranks-per-node < 1 or with --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below
-    --max-num-seqs, a prefix-routing threshold out of range, a bad --gating-option (malformed, unknown key or out-of-range value), a negative
-    --expert-cache, --resident-experts below 1, or expert-cache / prefetch flags without packed experts
-    (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
+    Raises ValueError on --placement-timeout-s not > 0 (or not finite), --ranks not a multiple of
+    --ranks-per-node (unset --ranks: 2, or one per visible GPU), --ranks-per-node < 1 or with
+    --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below --max-num-seqs, a prefix-routing
+    threshold out of range, a --kv-profile the ranks could not load at --kv-bits, a bad --gating-option
+    (malformed, unknown key or out-of-range value), a negative --expert-cache, --resident-experts below 1, or
+    expert-cache / prefetch flags without packed experts (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
     expert cache is left at its CPU default of 0."""
     if a.expert_cache is not None and a.expert_cache < 0:
         raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
