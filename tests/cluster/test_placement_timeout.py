@@ -123,7 +123,7 @@ def test_unplaceable_llm_fails_within_the_timeout(ray_session, tiny_model_dir):
         with pytest.raises(PlacementTimeoutError) as e:
             LLM(**kw, **layout)
         took = time.monotonic() - t0
-        assert 2 <= took < 2 + 6, took
+        assert 2 <= took < 2 + 15, took  # the timeout, not the 300 s default (busy 2 cores: 4-10 s)
         msg = str(e.value)
         assert all(w in msg for w in (*words, "not schedulable within 2s", "1 alive nodes")), msg
     assert ray_session.is_initialized()  # a Ray the caller started is left running
