@@ -143,8 +143,8 @@ def engine_kwargs(a) -> dict:
     --placement-strategy PACK / STRICT_PACK, on --max-num-batched-tokens below --max-num-seqs, a prefix-routing
     threshold out of range, a --kv-profile the ranks could not load at --kv-bits, a bad --gating-option
     (malformed, unknown key or out-of-range value), a negative --expert-cache, --resident-experts below 1, or
-    expert-cache / prefetch flags without packed experts (checked here, before any Ray work). Warns on stderr when a prefetch predictor is asked for while the
-    expert cache is left at its CPU default of 0."""
+    expert-cache / prefetch flags without packed experts (checked here, before any Ray work). Warns on stderr
+    when a prefetch predictor is asked for while the expert cache is left at its CPU default of 0."""
     if a.expert_cache is not None and a.expert_cache < 0:
         raise ValueError(f"--expert-cache={a.expert_cache} must be >= 0 (experts per layer kept dequantized)")
     if a.max_num_batched_tokens < a.max_num_seqs:
