@@ -27,7 +27,8 @@ class ClusterConfig:
 
     ranks: world size of the EP group. num_cpus_per_rank: fractional CPU per rank bundle
     (default 0.5 so 2 ranks fit a 2-core machine next to the driver). num_gpus_per_rank: 1 on CUDA.
-    kv_cache_bytes: KV budget per rank (bytes). pg_timeout_s: process-group timeout (<= 10 s).
+    kv_cache_bytes: KV budget per rank (bytes). num_threads_per_rank: compute threads of each rank (0: the CPUs of
+    its node over the ranks placed there, `actors.rank.threads`). pg_timeout_s: process-group timeout (<= 10 s).
     placement_strategy: the rank placement group's Ray strategy, one of PLACEMENT_STRATEGIES (PACK: as few
     nodes as possible; SPREAD: across nodes, soft; STRICT_SPREAD: one rank per node; STRICT_PACK: one node).
     None (the default) resolves here to PACK, or to STRICT_SPREAD with ranks_per_node.
@@ -52,7 +53,7 @@ class ClusterConfig:
     kv_cache_bytes: int = _ENGINE["kv_cache_bytes"]
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
-    num_threads_per_rank: int = 1
+    num_threads_per_rank: int = 0  # 0: the node's CPUs over the ranks on it (actors.rank.threads)
     pg_timeout_s: float = 10.0
     placement_strategy: str | None = None  # resolved in __post_init__: PACK, or STRICT_SPREAD with ranks_per_node
     ranks_per_node: int | None = None
@@ -84,6 +85,8 @@ class ClusterConfig:
         if self.transport not in ("auto", "torch"):
             raise ValueError(f"transport={self.transport!r} must be auto or torch")
         check_prefix_routing(self.prefix_routing_imbalanced_threshold, self.prefix_routing_match_rate_threshold)
+        if self.num_threads_per_rank < 0:
+            raise ValueError(f"num_threads_per_rank={self.num_threads_per_rank} must be >= 0 (0: automatic)")
         if self.num_cpus_per_rank <= 0:
             raise ValueError(f"num_cpus_per_rank={self.num_cpus_per_rank} must be > 0")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

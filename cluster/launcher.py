@@ -57,7 +57,8 @@ class EPCluster:
         self._load_snaps.append((time.monotonic(), [[0] * mc.num_experts for _ in range(mc.num_layers)]))
         self._placement_epoch = 0
         self._rebalance_lock = threading.Lock()
-        log.info("EP group up: %d ranks, %s, %d KV blocks per rank", cfg.ranks, cfg.backend, self.kv_blocks_per_rank)
+        log.info("EP group up: %d ranks, %s, %d KV blocks per rank, %s compute threads per rank", cfg.ranks, cfg.backend,
+                 self.kv_blocks_per_rank, "/".join(str(i.get("threads")) for i in self.info))
         if cfg.redundant_experts:
             m = self.expert_memory()
             log.info("redundant experts: every expert on >= 2 ranks; routed expert weights %.1f MiB over all ranks, "

@@ -18,6 +18,11 @@ MAX_KERNEL_ROWS = 16
 # (BENCHMARKS.md); beyond it (long prefills) torch's GEMM runs, whose threads help when a rank has several.
 MAX_GEMM_ROWS = 1024
 
+# `kernels.cpu.parallel`: calls with at least this many rows per compute thread are split over a rank's threads
+# (linear, RMSNorm, grouped experts, prefill attention); fewer run on one (a handoff costs ~30 us). 64 keeps decode
+# batches up to 127 rows on one thread; a 500-token prefill with 2 threads: 40 -> 30 ms (BENCHMARKS.md).
+PARALLEL_ROWS = 64
+
 # `kernels.cpu.packing`: most bytes of packed (panel-layout) copies of bf16 weights, all weights together; each
 # copy costs its weight's bf16 bytes (tiny-moe: ~18 MB for every dense matrix and expert). Past it, weights run
 # the row-major kernel. `MOERAY_PANEL_CACHE_BYTES` overrides it (0: never pack).

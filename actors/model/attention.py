@@ -2,7 +2,8 @@
 
 Reference (`paged_attention_ref`): decode sequences (one new token each) are batched: their blocks are
 gathered through the block table and attended with a length mask. Prefill sequences are attended one by
-one, causally, over their cached prefix plus the new tokens. `paged_attention` runs the decode sequences
+one, causally, over their cached prefix plus the new tokens; a long one's KV heads are split over the rank's
+compute threads (`kernels.cpu.parallel`). `paged_attention` runs the decode sequences
 through the compiled CPU kernel (`kernels.cpu.decode_attention`: one pass over the blocks, no gather
 or mask) when it applies, and the reference for the rest.
 
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import tuning
 from kernels.cpu import decode_attention
+from kernels.cpu.parallel import run_ranges, threads
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,12 +107,19 @@ def paged_attention_ref(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = _gather(k_cache, table)[:ctx].transpose(0, 1)  # [Hkv, ctx, Dh]
         v = _gather(v_cache, table)[:ctx].transpose(0, 1)
         q = q_THD[start : start + n].transpose(0, 1)  # [H, n, Dh]
-        if ctx == n:  # the whole prompt: SDPA's own causal mask takes its fused kernel (no [n, n] mask built)
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                               enable_gqa=k.shape[0] != H)[0]
-        else:  # a later chunk: query i sits at position ctx - n + i and sees keys 0..ctx-n+i
-            mask = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=k.shape[0] != H)[0]
-        out[start : start + n] = o.transpose(0, 1)
+        # a later chunk: query i sits at position ctx - n + i and sees keys 0..ctx-n+i; the whole prompt: SDPA's
+        # own causal mask takes its fused kernel (no [n, n] mask built)
+        mask = None if ctx == n else (torch.arange(ctx, device=q.device)[None, :]
+                                      <= torch.arange(ctx - n, ctx, device=q.device)[:, None])
+        Hkv = k.shape[0]
+        g = H // Hkv
+
+        def heads(lo: int, hi: int) -> None:  # KV heads [lo, hi) and their query heads: one compute thread's share
+            o = F.scaled_dot_product_attention(q[None, lo * g : hi * g], k[None, lo:hi], v[None, lo:hi],
+                                               attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=g != 1)[0]
+            out[start : start + n, lo * g : hi * g] = o.transpose(0, 1)
+
+        parts = min(Hkv, threads()) if n >= tuning.PARALLEL_ROWS and q_THD.device.type == "cpu" else 1
+        run_ranges(heads, [(i * Hkv // parts, (i + 1) * Hkv // parts) for i in range(parts)])
     return out

@@ -28,6 +28,7 @@ from actors.rank.output_channel import ABORT, REQUEST, OutputChannel
 from actors.rank.rendezvous import host_store, join_store
 from actors.rank.shm_collective import ShmAllToAll
 from actors.rank.tcp_collective import TcpAllToAll
+from actors.rank.threads import apply_threads, auto_threads, ranks_on_node
 from kernels import tuning
 from kernels.cpu import cpu_kernels_available
 
@@ -42,7 +43,7 @@ class RankWorker(ElasticRank, LockstepLoop):
     replicated (redundant experts), so a lost peer leaves it waiting for the survivors' new group (`regroup`).
     """
 
-    def __init__(self, rank: int, world_size: int, engine_cfg: dict, placement: dict, num_threads: int = 1,
+    def __init__(self, rank: int, world_size: int, engine_cfg: dict, placement: dict, num_threads: int = 0,
                  elastic: bool = False):
         self.rank = rank
         self.elastic = elastic  # redundant experts: a lost peer means a new group over the survivors, not failure
@@ -52,8 +53,9 @@ class RankWorker(ElasticRank, LockstepLoop):
         self.world_size = world_size
         self.engine_cfg = EngineConfig(**engine_cfg)
         self.placement = ExpertPlacement.from_dict(placement)
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
+        if num_threads < 0:
+            raise ValueError(f"num_threads={num_threads} must be >= 0 (0: the node's CPUs over its ranks)")
+        self.num_threads = num_threads  # applied in setup (0: once the ranks on this node are known)
         self.engine: RankEngine | None = None
         self._cond = threading.Condition()
         self._wake_seq = 0
@@ -106,7 +108,9 @@ class RankWorker(ElasticRank, LockstepLoop):
         gloo's device is built for this node's Ray IP (GLOO_SOCKET_IFNAME set to the interface holding it, unless
         the user set it; `actors.rank.netif`), not for the hostname: a hostname resolving to 127.0.1.1 (Debian's
         default) gave a device that ranks on other nodes cannot reach, and the group never formed.
-        Returns {rank, pid, kv_blocks, cpu_kernels, transport ("shm+gloo", "tcp+gloo", "gloo", "nccl", "none")}."""
+        num_threads 0 becomes the node's CPUs over the ranks on it (`actors.rank.threads`).
+        Returns {rank, pid, kv_blocks, cpu_kernels, threads, transport ("shm+gloo", "tcp+gloo", "gloo", "nccl",
+        "none")}."""
         if transport not in ("auto", "torch"):
             raise ValueError(f"transport={transport!r} must be auto or torch")
         if self.world_size > 1:
@@ -115,10 +119,15 @@ class RankWorker(ElasticRank, LockstepLoop):
                 raise ValueError("rank 0 hosts the rendezvous: call open_rendezvous() before setup()")
             store = self._store or join_store(master_addr, master_port, self.world_size, max(120.0, timeout_s))
             self._join_group(store, backend, timeout_s, transport)
+            if self.num_threads == 0:
+                self.num_threads = auto_threads(ranks_on_node(store, self.rank, self.world_size, self.node_ip()))
+        elif self.num_threads == 0:
+            self.num_threads = auto_threads(1)
+        apply_threads(self.num_threads)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
         self._start_loop()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
-                "expert_bytes": self.expert_bytes(),
+                "expert_bytes": self.expert_bytes(), "threads": self.num_threads,
                 # None on GPU ranks (the kernels are the CPU path only)
                 "cpu_kernels": cpu_kernels_available() if self.engine.device.type == "cpu" else None,
                 "transport": (("tcp+" if isinstance(self.shm, TcpAllToAll) else "shm+") + backend if self.shm is not None

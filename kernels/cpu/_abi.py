@@ -28,6 +28,11 @@ class RmsNormArgs(ctypes.Structure):
     _fields_ = _fields("P h, L sh, P delta, L sd, P h_out, L so, P w, P y, L sy, L M, L D, F eps")
 
 
+class LinearArgs(ctypes.Structure):
+    """`moeray_linear_args` (kernels/csrc/linear.c): one row-split share of a linear."""
+    _fields_ = _fields("P x, L sx, P w, P wp, P b, P y, L sy, L M, L N, L K")
+
+
 class DecodeAttentionArgs(ctypes.Structure):
     """`moeray_decode_attention_args` (kernels/csrc/decode_attention.c)."""
     _fields_ = _fields("P q, P kc, P vc, P bt, L mb, P ctx, P tok, P out, L B, L H, L Hkv, L Dh, L S, F scale")
@@ -89,6 +94,9 @@ SIGNATURES = {
     "moeray_linear_bf16w": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], _L),
     "moeray_linear_panels": ([_P, _L, _P, _P, _P, _L, _L, _L, _L], None),
     "moeray_rms_norm": (_ptr(RmsNormArgs), None),
+    "moeray_linear_task": (_ptr(LinearArgs), _L),
+    "moeray_pool_start": ([_L], _L),
+    "moeray_pool_run": ([_L, _P, _L, _L], _L),
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),

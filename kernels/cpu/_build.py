@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # -fno-semantic-interposition: with -fPIC alone gcc ran the packed-expert kernel ~2.5x slower (measured)
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-fno-semantic-interposition", "-std=c99"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-fno-semantic-interposition", "-std=c99", "-pthread"]
 
 _lock = threading.Lock()
 _lib = None  # the loaded ctypes library, once built

@@ -21,6 +21,7 @@ from kernels import tuning
 from kernels.cpu import _build
 from kernels.cpu._abi import ExpertFFNArgs, f32_cpu
 from kernels.cpu.packing import panels
+from kernels.cpu.parallel import TASK_EXPERT_FFN, row_ranges, run_kernel
 
 
 def expert_ffn(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, ids: torch.Tensor,
@@ -61,10 +62,13 @@ def expert_ffn(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     y = torch.empty(T if wts is not None else R, D, dtype=torch.float32)
     if not R:
         return y.zero_()
-    rc = lib.moeray_expert_ffn_bf16w(ctypes.byref(ExpertFFNArgs(
-        x_TD.data_ptr(), x_TD.stride(0), w_gate_up.data_ptr(), w_down.data_ptr(),
-        gup.data_ptr() if gup is not None else None, dnp.data_ptr() if dnp is not None else None,
-        ids.data_ptr(), None if wts is None else wts.data_ptr(), R, K, E, D, I2 // 2, y.data_ptr(), D)))
+    # one share of the tokens (and their pairs) per compute thread (kernels.cpu.parallel)
+    sx, xp, idp, yp, out_rows = x_TD.stride(0), x_TD.data_ptr(), ids.data_ptr(), y.data_ptr(), 1 if wts is not None else K
+    args = [ExpertFFNArgs(xp + 4 * lo * sx, sx, w_gate_up.data_ptr(), w_down.data_ptr(),
+                          gup.data_ptr() if gup is not None else None, dnp.data_ptr() if dnp is not None else None,
+                          idp + 8 * lo * K, None if wts is None else wts.data_ptr() + 4 * lo * K, (hi - lo) * K, K, E, D,
+                          I2 // 2, yp + 4 * lo * out_rows * D, D) for lo, hi in row_ranges(T)]
+    rc = run_kernel(TASK_EXPERT_FFN, args) if len(args) > 1 else lib.moeray_expert_ffn_bf16w(ctypes.byref(args[0]))
     if rc == -2:
         raise ValueError(f"expert_ffn: an expert id in ids is >= num_experts={E}")
     if rc:

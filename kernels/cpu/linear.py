@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 from kernels import tuning
 from kernels.cpu import _build
-from kernels.cpu._abi import RmsNormArgs, f32_cpu
+from kernels.cpu._abi import LinearArgs, RmsNormArgs, f32_cpu
 from kernels.cpu.packing import panels
+from kernels.cpu.parallel import TASK_LINEAR, TASK_RMS_NORM, row_ranges, run_kernel
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,11 +56,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             y = torch.empty(M, N, dtype=x.dtype)
             if M:
                 wp = panels(w)
-                if wp is not None:
-                    lib.moeray_linear_panels(x.data_ptr(), x.stride(0), wp.data_ptr(),
-                                             b.data_ptr() if b is not None else None, y.data_ptr(), N, M, N, K)
-                elif lib.moeray_linear_bf16w(x.data_ptr(), x.stride(0), w.data_ptr(),
-                                             b.data_ptr() if b is not None else None, y.data_ptr(), N, M, N, K):
+                bp = b.data_ptr() if b is not None else None
+                ranges = row_ranges(M)
+                if len(ranges) > 1:  # one share of the rows per compute thread (kernels.cpu.parallel)
+                    sx, xp, yp, wpp = x.stride(0), x.data_ptr(), y.data_ptr(), None if wp is None else wp.data_ptr()
+                    rc = run_kernel(TASK_LINEAR, [LinearArgs(xp + 4 * lo * sx, sx, w.data_ptr(), wpp, bp,
+                                                             yp + 4 * lo * N, N, hi - lo, N, K) for lo, hi in ranges])
+                elif wp is not None:
+                    rc = lib.moeray_linear_panels(x.data_ptr(), x.stride(0), wp.data_ptr(), bp, y.data_ptr(), N, M, N, K)
+                else:
+                    rc = lib.moeray_linear_bf16w(x.data_ptr(), x.stride(0), w.data_ptr(), bp, y.data_ptr(), N, M, N, K)
+                if rc:
                     raise MemoryError(f"linear: no scratch for K={K}")
             return y
     return F.linear(x, w.to(x.dtype), b)
@@ -91,16 +98,20 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
         if x2.stride(-1) == 1 and w.shape == (D,):
             M = x2.shape[0]
             y = torch.empty(x.shape, dtype=x.dtype)
-            if residual is None:
-                if M:
-                    lib.moeray_rms_norm(ctypes.byref(RmsNormArgs(x2.data_ptr(), x2.stride(0), None, 0, None, 0,
-                                                                 w.data_ptr(), y.data_ptr(), D, M, D, eps)))
-                return y
-            h = torch.empty(x.shape, dtype=x.dtype)
-            if M:
-                lib.moeray_rms_norm(ctypes.byref(RmsNormArgs(residual.data_ptr(), D, x2.data_ptr(), x2.stride(0),
-                                                             h.data_ptr(), D, w.data_ptr(), y.data_ptr(), D, M, D, eps)))
-            return h, y
+            h = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+            sx, xp, yp, wp = x2.stride(0), x2.data_ptr(), y.data_ptr(), w.data_ptr()
+            if h is None:
+                args = [RmsNormArgs(xp + 4 * lo * sx, sx, None, 0, None, 0, wp, yp + 4 * lo * D, D, hi - lo, D, eps)
+                        for lo, hi in row_ranges(M)]
+            else:
+                rp, hp = residual.data_ptr(), h.data_ptr()
+                args = [RmsNormArgs(rp + 4 * lo * D, D, xp + 4 * lo * sx, sx, hp + 4 * lo * D, D, wp, yp + 4 * lo * D,
+                                    D, hi - lo, D, eps) for lo, hi in row_ranges(M)]
+            if len(args) > 1:  # one share of the rows per compute thread (kernels.cpu.parallel)
+                run_kernel(TASK_RMS_NORM, args)
+            elif M:
+                lib.moeray_rms_norm(ctypes.byref(args[0]))
+            return y if h is None else (h, y)
     if residual is None:
         return _rms_norm_torch(x, w, eps)
     h = residual + x

@@ -12,3 +12,17 @@ long moeray_linear_bf16w(const float *x, long sx, const uint16_t *w, const float
     for (long n = 0; n < N; n++) y[n] = dot1(x, w + n * K, K) + (b ? b[n] : 0.0f);
     return 0;
 }
+
+/* One row-split share of a linear (kernels/csrc/pool.c runs several at once): `moeray_linear_panels` when `wp` is
+   given, else `moeray_linear_bf16w`.  Returns 0, or -1 as moeray_linear_bf16w. */
+typedef struct {
+    const float *x; long sx; const uint16_t *w; const uint32_t *wp; const float *b; float *y; long sy, M, N, K;
+} moeray_linear_args;
+
+long moeray_linear_task(const moeray_linear_args *a) {
+    if (a->wp) {
+        moeray_linear_panels(a->x, a->sx, a->wp, a->b, a->y, a->sy, a->M, a->N, a->K);
+        return 0;
+    }
+    return moeray_linear_bf16w(a->x, a->sx, a->w, a->b, a->y, a->sy, a->M, a->N, a->K);
+}
