@@ -125,6 +125,7 @@ class RankWorker(ElasticRank, LockstepLoop):
             self.num_threads = auto_threads(1)
         apply_threads(self.num_threads)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, self.group, shm=self.shm)
+        self.engine.model.warm_up(self.engine_cfg.max_batched_tokens)  # a full step's kernels, before any request
         self._start_loop()
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
                 "expert_bytes": self.expert_bytes(), "threads": self.num_threads,
