@@ -4,7 +4,8 @@ Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `packing` (bf16 
 layout, cached), `attention` (paged decode attention), `rope` (rotary embedding), `experts` (SwiGLU experts
 with bf16 or fp32 weights, grouped by expert), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
 `dispatch` (the fixed-capacity dispatch's send buffer), `shm` (the shared-memory all-to-all's copies and futex
-wait), `predict` (the expert predictor's decode-step bookkeeping),
+wait), `predict` (the expert predictor's decode-step bookkeeping), `parallel` (a call with many rows split over
+the rank's compute threads: the C pool of kernels/csrc/pool.c),
 `_build` (compile, cache and load; holds the library), `_abi` (the C entry points' ctypes argument structs).
 
 Why. Decode at batch 1 on CPU is bound by two things: reading every weight once per token, and the per-op
@@ -19,6 +20,7 @@ own PyTorch path. `cpu_kernels_available()` says whether the compiled code runs:
 without AVX2/FMA, off x86-64, or with `MOERAY_DISABLE_CPU_KERNELS=1` (see `_build` for the build and cache).
 The engine keeps weights bf16 only when it runs (`EngineConfig.weight_storage`).
 """
+from kernels.cpu import parallel
 from kernels.cpu._build import cpu_kernels_available
 from kernels.cpu.attention import decode_attention
 from kernels.cpu.dispatch import pack_fixed_rows
@@ -30,6 +32,6 @@ from kernels.cpu.rope import rope
 
 __all__ = [
     "GateLogprobs", "MarkovTables", "PackedFFNArgs", "cpu_kernels_available", "decode_attention", "dequant_packed",
-    "expert_ffn", "linear", "pack_fixed_rows", "packed_expert_ffn", "prefetch_step", "rms_norm", "rope",
+    "expert_ffn", "linear", "pack_fixed_rows", "parallel", "packed_expert_ffn", "prefetch_step", "rms_norm", "rope",
     "swiglu_f32",
 ]

@@ -1,6 +1,7 @@
 /* Helpers every CPU kernel shares: bf16 / fp16 widening, AVX2 dot products and reductions, SwiGLU on rows.
 
-   Build: kernels/cpu/_build.py compiles every csrc .c file into one shared library (AVX2 + FMA, one thread, C99).
+   Build: kernels/cpu/_build.py compiles every csrc .c file into one shared library (AVX2 + FMA, C99).  Each
+   kernel runs on one thread; pool.c runs the row shares of one call on several.
    ABI: an entry point with more than 10 arguments takes one `const moeray_<op>_args *`, a struct whose fields are
    the arguments in their documented order; kernels/cpu/_abi.py mirrors each struct field for field.  Pointers
    are raw tensor data (row-major, the strides passed next to them), `long` is int64, a 0 pointer means "absent". */
