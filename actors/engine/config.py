@@ -33,6 +33,11 @@ class EngineConfig:
     # the cost, the longest step 32 running streams see while a 1000-token prompt prefills: 36.8 ms (256: 20.8)
     # (bench/chunked_prefill.py, BENCHMARKS.md)
     max_batched_tokens: int = 512
+    # ... and at most this many while any sequence decodes (its prefill chunks fill what the decodes leave), so a
+    # long prompt arriving at an idle rank takes one 512-token step while running streams see 256-token steps
+    # (a 500-token prompt idle: 25.9 ms; the longest step 32 streams see beside a 1000-token prefill: 20.8 ms at 256
+    # against 36.8 at 512, bench/chunked_prefill.py). None: max_batched_tokens. Never below max_num_seqs.
+    max_mixed_tokens: int | None = 256
     enable_chunked_prefill: bool = True
     # automatic prefix caching (vLLM's --enable-prefix-caching, on by default): full KV blocks kept by content
     # hash and shared between sequences (actors.kv.prefix_cache, actors.kv.quantized_prefix)
@@ -78,6 +83,8 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_mixed_tokens is not None and self.max_mixed_tokens < 1:
+            raise ValueError(f"max_mixed_tokens={self.max_mixed_tokens} must be >= 1 (or unset: max_batched_tokens)")
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens={self.max_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} (a full decode batch must fit one step)")

@@ -91,7 +91,8 @@ class RankEngine(PlacementMixin, BalancingMixin):
         self._slot_of: dict[str, int] = {}
         self.cache = build_kv_cache(cfg, mc, self.device)
         self.scheduler = Scheduler(self.cache.allocator, cfg.block_size, cfg.max_num_seqs, cfg.max_batched_tokens,
-                                   cfg.enable_chunked_prefill, build_prefix_cache(cfg, self.cache))
+                                   cfg.enable_chunked_prefill, build_prefix_cache(cfg, self.cache),
+                                   max_mixed_tokens=cfg.max_mixed_tokens)
         self.tokenizer = Tokenizer.from_file(f"{cfg.model}/tokenizer.json")
         self.eos = set(mc.eos_token_ids)
         self._lock = threading.Lock()

@@ -1,6 +1,8 @@
 """Continuous batching on one rank: sequences, admission, chunked prefill, KV-block budgeting and preemption.
 
-Each step computes at most `max_batched_tokens` new tokens (vLLM's `--max-num-batched-tokens`), in this order:
+Each step computes at most `max_batched_tokens` new tokens (vLLM's `--max-num-batched-tokens`), and at most
+`max_mixed_tokens` while any sequence decodes (a prompt arriving at an idle rank takes big chunks, one beside running
+streams keeps their steps short: the budget exists for their inter-token latency), in this order:
   1. decodes: every running sequence with one token left to compute (its newest token) gets a slot. When
      one needs a new block and none is free, the most recently admitted running sequence is preempted: its
      blocks are freed and it goes back to the front of the queue, to be recomputed (prompt + tokens generated
@@ -86,19 +88,22 @@ class Scheduler:
         max_num_seqs: running sequences at most. max_batched_tokens: tokens computed per step at most
         (decodes + prefill chunks; without chunking, a prompt longer than this is still admitted alone).
         enable_chunked_prefill: split prefills into chunks that fit the budget left after the decodes.
-        prefix: the rank's prefix cache (None: off).
+        prefix: the rank's prefix cache (None: off). max_mixed_tokens: the step's budget while it has decodes
+        (None: max_batched_tokens; taken within [max_num_seqs, max_batched_tokens]).
     Raises:
         ValueError: max_batched_tokens < max_num_seqs (a full decode batch must fit one step).
     """
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, prefix=None):
+                 enable_chunked_prefill: bool = True, prefix=None, max_mixed_tokens: int | None = None):
         if max_batched_tokens < max_num_seqs:
             raise ValueError(f"max_batched_tokens={max_batched_tokens} must be >= max_num_seqs={max_num_seqs}")
         self.alloc = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.max_mixed_tokens = (max_batched_tokens if max_mixed_tokens is None
+                                 else min(max_batched_tokens, max(max_mixed_tokens, max_num_seqs)))
         self.chunked = enable_chunked_prefill
         self.prefix = prefix
         self.waiting: deque[Sequence] = deque()
@@ -178,7 +183,7 @@ class Scheduler:
                 seq.block_table.append(self.alloc.allocate())
             seq.num_scheduled = 1
             decodes.append(seq)
-        budget = self.max_batched_tokens - len(decodes)
+        budget = (self.max_mixed_tokens if decodes else self.max_batched_tokens) - len(decodes)
         # 2) continue partial prefills (oldest first) within the budget
         prefills: list[Sequence] = []
         for seq in partial:

@@ -156,6 +156,34 @@ def test_long_prompt_is_split_under_the_budget_while_decodes_run():
     assert b.decodes == dec + [long] and b.prefills == [second] and second.num_scheduled == 55
 
 
+def test_mixed_step_budget_beside_decodes():
+    """max_mixed_tokens caps a step that has decodes; an idle rank's prefill takes the whole max_batched_tokens;
+    the mixed cap never drops below max_num_seqs (a full decode batch fits)."""
+    sch = Scheduler(BlockAllocator(400), 16, max_num_seqs=10, max_batched_tokens=512, max_mixed_tokens=128)
+    long = _seq("long", 1100)
+    sch.add(long)
+    b = sch.schedule()
+    assert b.prefills == [long] and long.num_scheduled == 512  # idle: the whole budget
+    _emulate(b)
+    b = sch.schedule()
+    assert long.num_scheduled == 512 and not b.decodes  # still no decode: a prefilling sequence is not one
+    _emulate(b)
+    dec = [_seq(f"d{i}", 5) for i in range(4)]
+    for d in dec:
+        sch.add(d)
+    b = sch.schedule()  # the long one's last 76 tokens, then 4 x 5 admitted: no decode yet, so 512 allowed
+    assert long.num_scheduled == 76 and sum(s.num_scheduled for s in b.prefills) == 96
+    _emulate(b)
+    late = _seq("late", 600)
+    sch.add(late)
+    b = sch.schedule()
+    assert len(b.decodes) == 5 and b.prefills == [late] and late.num_scheduled == 128 - 5  # beside decodes: 128
+    assert Scheduler(BlockAllocator(4), 16, max_num_seqs=16, max_batched_tokens=64,
+                     max_mixed_tokens=8).max_mixed_tokens == 16
+    assert Scheduler(BlockAllocator(4), 16, max_num_seqs=4, max_batched_tokens=64,
+                     max_mixed_tokens=None).max_mixed_tokens == 64
+
+
 def test_without_chunking_a_prompt_is_one_prefill():
     sch = Scheduler(BlockAllocator(200), 16, max_num_seqs=10, max_batched_tokens=64, enable_chunked_prefill=False)
     dec = [_seq(f"d{i}", 5) for i in range(8)]
@@ -264,3 +292,8 @@ def test_budget_below_max_num_seqs_is_refused():
         EngineConfig(model=DEFAULT_MODEL, max_batched_tokens=8, max_num_seqs=16)
     with pytest.raises(ValueError, match=r"max_batched_tokens=8 must be >= max_num_seqs=16"):
         Scheduler(BlockAllocator(4), 16, max_num_seqs=16, max_batched_tokens=8)
+
+
+def test_mixed_budget_below_one_is_refused():
+    with pytest.raises(ValueError, match="max_mixed_tokens=0 must be >= 1"):
+        EngineConfig(model=DEFAULT_MODEL, max_mixed_tokens=0)
