@@ -18,12 +18,14 @@ Invariants.
   sleep on a futex, the Python ones sleep in a queue: a rank with nothing to split leaves its other cores alone,
   unlike an OpenMP pool's spin-wait (measured here: torch with 2 OpenMP threads beside these made a 500-token
   prefill slower, 28.6 -> 31.8 ms, so a rank running these kernels keeps torch at one thread).
-- Helpers run in the caller's inference mode (thread-local in torch).
+- Helpers run in the caller's inference mode (thread-local in torch). A forked child starts on one thread (its
+  parent's helpers do not exist there; the C pool then runs every share on the caller).
 - An exception on any range is raised to the caller after every range has finished (no range outlives the call).
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +62,14 @@ def set_threads(n: int) -> None:
         if lib is not None and n > 1:
             n = min(n, 1 + int(lib.moeray_pool_start(n - 1)))  # the C pool only grows; its cap: 63 helpers
         _threads = n
+
+
+def _forget_after_fork() -> None:  # a forked child has none of the parent's threads: one thread until told
+    global _pool, _threads, _lock
+    _pool, _threads, _lock = None, 1, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def threads() -> int:

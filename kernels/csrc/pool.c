@@ -91,9 +91,15 @@ static void *helper_main(void *p) {
     return NULL;
 }
 
+/* a forked child has none of the parent's helper threads: it runs every task on its calling thread */
+static void forget_helpers(void) { n_helpers = 0; pthread_mutex_init(&run_lock, NULL); }
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static void register_atfork(void) { pthread_atfork(NULL, NULL, forget_helpers); }
+
 /* Make sure at least `n` helper threads exist (capped at MAX_HELPERS; never fewer than before).
    Returns the number of helpers. */
 long moeray_pool_start(long n) {
+    pthread_once(&atfork_once, register_atfork);
     pthread_mutex_lock(&run_lock);
     if (n > MAX_HELPERS) n = MAX_HELPERS;
     while (n_helpers < n) {

@@ -152,3 +152,20 @@ def test_engine_prefill_same_on_two_threads(threads):
     eng.prompt_logits(ids)  # every weight seen once: both runs take the panel kernels (kernels.cpu.packing)
     a, c = _both(threads, lambda: eng.prompt_logits(ids))
     assert a.shape[0] == 300 and torch.equal(a, c)
+
+
+@needs_kernels
+def test_forked_child_runs_on_one_thread(threads):
+    """A child forked after the pool started has none of its threads: it must not wait for them (no hang)."""
+    import os
+
+    threads(2)
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    x = torch.randn(300, 64)
+    want = linear(x, w)
+    pid = os.fork()
+    if pid == 0:  # child: the same call, on one thread (a wait for the parent's helpers would hang here)
+        ok = parallel.threads() == 1 and torch.equal(linear(x, w), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
