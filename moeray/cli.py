@@ -77,7 +77,7 @@ def add_engine_args(p) -> None:
                    help="running sequences per rank at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=_CLUSTER["max_batched_tokens"].default,
                    help="tokens per engine step at most (decodes first, then prefill chunks), per rank; >= "
-                        "--max-num-seqs. A step with decodes takes at most 256 (max_mixed_tokens), so streams keep pace")
+                        "--max-num-seqs. A step with decodes takes at most 256 (max_mixed_tokens): streams keep pace")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill long prompts in chunks mixed into decode steps under --max-num-batched-tokens, "
                         "so running streams keep their pace (off: a prompt is prefilled whole in one step)")
