@@ -20,6 +20,7 @@ import torch.distributed as dist
 from actors.moe.placement import ExpertPlacement
 from actors.rank.output_channel import HEARTBEAT_S
 from actors.rank.rendezvous import host_store, join_store
+from actors.rank.threads import apply_threads
 
 # seconds a survivor waits for the new group before failing its requests: the router learns of a SIGKILLed rank
 # within milliseconds (its channel closes); a lost node takes the collective timeout (<= 10 s) plus this margin
@@ -123,10 +124,13 @@ class ElasticRank:
     # ------------------------------------------------------------------ a replacement rank
     def prepare_join(self) -> dict:
         """A replacement rank, before it joins a running group: build the engine (weights read, KV cache
-        allocated) with no process group yet, while the others keep serving. Returns {rank, pid, kv_blocks,
-        expert_bytes}."""
+        allocated) with no process group yet, while the others keep serving. It computes on `num_threads_per_rank`
+        threads, or one when that is 0 (the ranks sharing its node are not counted here). Returns {rank, pid,
+        kv_blocks, expert_bytes}."""
         from actors.engine.engine import RankEngine
 
+        self.num_threads = self.num_threads or 1
+        apply_threads(self.num_threads)
         self.engine = RankEngine(self.engine_cfg, self.placement, self.rank, None, shm=None)
         return {"rank": self.rank, "pid": os.getpid(), "kv_blocks": self.engine.cache.allocator.num_blocks,
                 "expert_bytes": self.expert_bytes()}
