@@ -81,7 +81,9 @@ static uint32_t wait_change(uint32_t *w, uint32_t v, int32_t *asleep_flag) {
 
 static void *helper_main(void *p) {
     slot_t *s = (slot_t *)p;
-    uint32_t seen = __atomic_load_n(&s->gen, __ATOMIC_ACQUIRE);
+    /* the gen the slot was created with (0), not a fresh read: a call made before this thread first runs has
+       already bumped gen, and reading that as "seen" would lose the task (the caller would wait forever) */
+    uint32_t seen = 0;
     for (;;) {
         seen = wait_change(&s->gen, seen, &s->helper_asleep);
         s->rc = run_task(s->kind, s->args);

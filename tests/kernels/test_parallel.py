@@ -170,3 +170,24 @@ def test_forked_child_runs_on_one_thread(threads):
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+@needs_kernels
+def test_a_call_right_after_the_pool_starts_is_not_lost():
+    """A call made before a new helper thread first runs must still reach it (the helper once read its starting
+    generation after that call had bumped it, lost the task, and the caller waited forever: a rank's warm-up hung).
+    Fresh processes, each starting the C pool and calling it at once (task kind 99 runs nothing, answers -100)."""
+    import subprocess
+    import sys
+
+    from kernels.cpu import _build
+
+    so = _build.lib()._name
+    code = ("import ctypes; lib = ctypes.CDLL(%r); lib.moeray_pool_run.restype = ctypes.c_long\n"
+            "for n in (1, 3, 7):\n"
+            "    lib.moeray_pool_start(ctypes.c_long(n))\n"
+            "    buf = ctypes.create_string_buffer(8 * (n + 1))\n"
+            "    assert lib.moeray_pool_run(ctypes.c_long(99), buf, ctypes.c_long(8), ctypes.c_long(n + 1)) == -100\n"
+            % so)
+    for _ in range(10):
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=20)
