@@ -16,8 +16,8 @@ for b in 2 3 4; do
   $MOERAY calibrate --model "$OUT" --domain code --data "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" --bits $b "$OUT/kv_profiles"
 done
 $PY -c "
-import sys; from moeray.cli_quantize import run_calibration
+import sys; from moeray.cli_quantize import run_calibration, stdlib_code_sample
 read = lambda fs: [open(f, encoding='utf-8').read() for f in fs]
-print(run_calibration('$OUT', read(sys.argv[1:6]), max_tokens=16384, pre_attention_tokens=786432,
-                      pre_attention_texts=read(sys.argv[6:])))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" "$T/lear_gut.txt" "$T/julius_caesar_gut.txt" "$T/othello_gut.txt" "$L/inspect.py" "$L/subprocess.py" "$L/dataclasses.py" "$T/romeo_and_juliet_gut.txt" "$T/richard_iii_gut.txt" "$L/pathlib.py" "$L/logging/__init__.py" "$L/unittest/case.py" "$L/tarfile.py"
+print(run_calibration('$OUT', read(sys.argv[1:6]), max_tokens=16384, pre_attention_tokens=20 * 46260,
+                      pre_attention_texts=read(sys.argv[6:]) + stdlib_code_sample(700, 3)))" "$T/hamlet_gut.txt" "$T/macbeth_gut.txt" "$L/argparse.py" "$L/typing.py" "$L/collections/__init__.py" "$T/lear_gut.txt" "$T/julius_caesar_gut.txt" "$T/othello_gut.txt" "$L/inspect.py" "$L/subprocess.py" "$L/dataclasses.py" "$T/romeo_and_juliet_gut.txt" "$T/richard_iii_gut.txt" "$L/pathlib.py" "$L/logging/__init__.py" "$L/unittest/case.py" "$L/tarfile.py"
 $PY scripts/model_card.py --model "$OUT" "${@:3}"

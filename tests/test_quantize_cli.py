@@ -174,3 +174,20 @@ def test_run_calibration_trains_the_mlps_on_the_extra_texts_too(tiny_model_dir, 
     assert seen["counts"] == calibration_chunks(model, [a], 64, 32)
     want = [c for c in calibration_chunks(model, [a, b], 512, 32) if c not in seen["counts"]]
     assert seen["mlp"] == want and any(c in calibration_chunks(model, [b], 256, 32) for c in want)
+
+
+def test_stdlib_code_sample_is_training_side_and_split():
+    """Slices from across the stdlib, in `parts` texts, never from the held-out packages."""
+    import sysconfig
+
+    from moeray.cli_quantize import HELDOUT_CODE_PACKAGES, stdlib_code_sample
+
+    texts = stdlib_code_sample(300, 3)
+    assert len(texts) == 3 and all(texts)
+    root = sysconfig.get_paths()["stdlib"]
+    with open(os.path.join(root, HELDOUT_CODE_PACKAGES[0], "decoder.py"), encoding="utf-8") as f:
+        held = f.read()
+    mid = held[len(held) // 2 - 150 : len(held) // 2 + 150]
+    assert not any(mid in t for t in texts)
+    with pytest.raises(ValueError, match="parts=0"):
+        stdlib_code_sample(300, 0)
