@@ -11,8 +11,9 @@ the hidden states known are pl's input (before pl's attention) and the residual 
 the paper's choice, l's own input before l's attention, is known only after pl's FFN, which leaves only l's
 attention to hide the transfer. So this predictor reads the residual stream entering pl's FFN (the state the
 runtime already hands the lookahead predictor): it is before layer l's attention and before pl's FFN. Measured
-(offline, on the 1k checkpoint, 8 x 512 held-out tokens per domain, 118k calibration tokens): this input 0.948 / 0.931, pl's input
-before its attention 0.90 / 0.88, the paper's l input 0.956 / 0.944 (with a third of the lead time).
+(offline, on the 1k checkpoint, 8 x 512 held-out tokens per domain, 118k calibration tokens): this input 0.948 /
+0.931, pl's input before its attention 0.90 / 0.88, the paper's l input 0.956 / 0.944 (with a third of the lead
+time).
 
 Shape legend: T = tokens, E = routed experts, L = layers, D = hidden, H = MLP hidden width.
 """
