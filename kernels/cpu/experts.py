@@ -67,8 +67,7 @@ def expert_ffn(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     args = [ExpertFFNArgs(xp + 4 * lo * sx, sx, w_gate_up.data_ptr(), w_down.data_ptr(),
                           gup.data_ptr() if gup is not None else None, dnp.data_ptr() if dnp is not None else None,
                           idp + 8 * lo * K, None if wts is None else wts.data_ptr() + 4 * lo * K, (hi - lo) * K, K, E, D,
-                          I2 // 2, yp + 4 * lo * out_rows * D, D)
-            for lo, hi in (row_ranges(T) if T >= 2 * tuning.PARALLEL_ROWS else ((0, T),))]
+                          I2 // 2, yp + 4 * lo * out_rows * D, D) for lo, hi in row_ranges(T)]
     rc = run_kernel(TASK_EXPERT_FFN, args) if len(args) > 1 else lib.moeray_expert_ffn_bf16w(ctypes.byref(args[0]))
     if rc == -2:
         raise ValueError(f"expert_ffn: an expert id in ids is >= num_experts={E}")

@@ -57,8 +57,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
             if M:
                 wp = panels(w)
                 bp = b.data_ptr() if b is not None else None
-                ranges = row_ranges(M) if M >= 2 * tuning.PARALLEL_ROWS else None  # decode: not even the call
-                if ranges is not None and len(ranges) > 1:  # one share of the rows per thread (kernels.cpu.parallel)
+                ranges = row_ranges(M)
+                if len(ranges) > 1:  # one share of the rows per compute thread (kernels.cpu.parallel)
                     sx, xp, yp, wpp = x.stride(0), x.data_ptr(), y.data_ptr(), None if wp is None else wp.data_ptr()
                     rc = run_kernel(TASK_LINEAR, [LinearArgs(xp + 4 * lo * sx, sx, w.data_ptr(), wpp, bp,
                                                              yp + 4 * lo * N, N, hi - lo, N, K) for lo, hi in ranges])
@@ -100,7 +100,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
             y = torch.empty(x.shape, dtype=x.dtype)
             h = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
             sx, xp, yp, wp = x2.stride(0), x2.data_ptr(), y.data_ptr(), w.data_ptr()
-            ranges = row_ranges(M) if M >= 2 * tuning.PARALLEL_ROWS else ((0, M),)  # decode: not even the call
+            ranges = row_ranges(M)
             if h is None:
                 args = [RmsNormArgs(xp + 4 * lo * sx, sx, None, 0, None, 0, wp, yp + 4 * lo * D, D, hi - lo, D, eps)
                         for lo, hi in ranges]

@@ -79,11 +79,12 @@ def threads() -> int:
 
 def row_ranges(M: int, min_rows: int | None = None) -> list[tuple[int, int]]:
     """Split rows [0, M) into at most `threads()` ranges of at least `min_rows` (default `tuning.PARALLEL_ROWS`)
-    rows, each starting at a multiple of `ROW_ALIGN`; one range [(0, M)] when M is too small to split."""
-    min_rows = tuning.PARALLEL_ROWS if min_rows is None else min_rows
-    parts = min(_threads, M // max(min_rows, 1))
-    if parts <= 1:
+    rows, each starting at a multiple of `ROW_ALIGN`; one range [(0, M)] when M is too small to split (decode
+    calls: returned before any other work, the hot path pays one comparison)."""
+    min_rows = tuning.PARALLEL_ROWS if min_rows is None else max(min_rows, 1)
+    if _threads == 1 or M < 2 * min_rows:
         return [(0, M)]
+    parts = min(_threads, M // min_rows)
     step = -(-M // parts)
     step = -(-step // ROW_ALIGN) * ROW_ALIGN
     bounds = list(range(0, M, step)) + [M]
