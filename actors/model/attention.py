@@ -5,7 +5,8 @@ gathered through the block table and attended with a length mask. Prefill sequen
 one, causally, over their cached prefix plus the new tokens; a long one's KV heads are split over the rank's
 compute threads (`kernels.cpu.parallel`). `paged_attention` runs the decode sequences
 through the compiled CPU kernel (`kernels.cpu.decode_attention`: one pass over the blocks, no gather
-or mask) when it applies, and the reference for the rest.
+or mask) and each prefill through the compiled causal kernel (`kernels.cpu.prefill_attention`, split over the
+compute threads by KV head) when they apply, and the reference for the rest.
 
 Shape legend: T = tokens in the step, B = decode sequences, H = query heads, Hkv = KV heads,
 Dh = head_dim, M = max blocks per sequence, S = block_size, L = gathered context length.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import tuning
-from kernels.cpu import decode_attention
+from kernels.cpu import decode_attention, prefill_attention
 from kernels.cpu.parallel import run_ranges, threads
 
 
@@ -50,24 +51,26 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_attention(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Same contract as `paged_attention_ref`; decode sequences go through the compiled CPU kernel when it can
-    run (fp32 on CPU), prefills through the reference."""
-    if meta.decode_tokens.numel():
-        out = torch.empty_like(q_THD)
-        if decode_attention(q_THD, k_cache, v_cache, meta.decode_tokens, meta.decode_block_tables,
-                            meta.decode_context_lens, scale, out):
-            if meta.prefills:
-                pre = paged_attention_ref(q_THD, k_cache, v_cache, _prefills_only(meta), scale)
-                for start, n, _, _ in meta.prefills:
-                    out[start : start + n] = pre[start : start + n]
-            return out
-    return paged_attention_ref(q_THD, k_cache, v_cache, meta, scale)
+    """Same contract as `paged_attention_ref`; on CPU with fp32 K/V the decode sequences go through the compiled
+    decode kernel and each prefill through the compiled causal kernel (`kernels.cpu.prefill_attention`), and
+    whatever they cannot run through the reference."""
+    out = torch.empty_like(q_THD)
+    if meta.decode_tokens.numel() and not decode_attention(
+            q_THD, k_cache, v_cache, meta.decode_tokens, meta.decode_block_tables, meta.decode_context_lens, scale, out):
+        return paged_attention_ref(q_THD, k_cache, v_cache, meta, scale)
+    rest = [(start, n, ctx, table) for start, n, ctx, table in meta.prefills if not prefill_attention(
+        q_THD[start : start + n], k_cache, v_cache, table, ctx, scale, out[start : start + n])]
+    if rest:
+        pre = paged_attention_ref(q_THD, k_cache, v_cache, _prefills_only(meta, rest), scale)
+        for start, n, _, _ in rest:
+            out[start : start + n] = pre[start : start + n]
+    return out
 
 
-def _prefills_only(meta: AttentionMetadata) -> AttentionMetadata:
+def _prefills_only(meta: AttentionMetadata, prefills: list) -> AttentionMetadata:
     z = meta.decode_tokens[:0]
-    return AttentionMetadata(slot_mapping=meta.slot_mapping, decode_tokens=z, decode_block_tables=meta.decode_block_tables[:0],
-                             decode_context_lens=z, prefills=meta.prefills)
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, decode_tokens=z,
+                             decode_block_tables=meta.decode_block_tables[:0], decode_context_lens=z, prefills=prefills)
 
 
 def paged_attention_ref(q_THD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -38,6 +38,12 @@ class DecodeAttentionArgs(ctypes.Structure):
     _fields_ = _fields("P q, P kc, P vc, P bt, L mb, P ctx, P tok, P out, L B, L H, L Hkv, L Dh, L S, F scale")
 
 
+class PrefillAttentionArgs(ctypes.Structure):
+    """`moeray_prefill_attention_args` (kernels/csrc/prefill_attention.c): one task of a causal prefill."""
+    _fields_ = _fields("P q, P kc, P vc, P bt, P out, L n, L ctx, L H, L Hkv, L Dh, L S, L g_lo, L g_hi, L part, "
+                       "L parts, F scale")
+
+
 class ExpertFFNArgs(ctypes.Structure):
     """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
     _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L K, L E, L D, L I, P y, L sy")
@@ -99,6 +105,7 @@ SIGNATURES = {
     "moeray_pool_run": ([_L, _P, _L, _L], _L),
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
+    "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),

@@ -36,7 +36,7 @@ from kernels import tuning
 from kernels.cpu import _build
 
 # task kinds of `moeray_pool_run` (kernels/csrc/pool.c), each with its argument struct (kernels.cpu._abi)
-TASK_LINEAR, TASK_RMS_NORM, TASK_EXPERT_FFN = 0, 1, 2
+TASK_LINEAR, TASK_RMS_NORM, TASK_EXPERT_FFN, TASK_PREFILL_ATTENTION = 0, 1, 2, 3
 
 ROW_ALIGN = 16  # range starts: a multiple of every kernel's row tile (panel GEMM: 8 rows), so tiles stay whole
 

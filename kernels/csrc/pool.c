@@ -25,14 +25,16 @@
 long moeray_linear_task(const void *a);
 void moeray_rms_norm(const void *a);
 long moeray_expert_ffn_bf16w(const void *a);
+long moeray_prefill_attention(const void *a);
 
-enum { TASK_LINEAR = 0, TASK_RMS_NORM = 1, TASK_EXPERT_FFN = 2 };
+enum { TASK_LINEAR = 0, TASK_RMS_NORM = 1, TASK_EXPERT_FFN = 2, TASK_PREFILL_ATTENTION = 3 };
 
 static long run_task(long kind, const void *a) {
     switch (kind) {
         case TASK_LINEAR: return moeray_linear_task(a);
         case TASK_RMS_NORM: moeray_rms_norm(a); return 0;
         case TASK_EXPERT_FFN: return moeray_expert_ffn_bf16w(a);
+        case TASK_PREFILL_ATTENTION: return moeray_prefill_attention(a);
         default: return -100;
     }
 }
