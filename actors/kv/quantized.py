@@ -44,6 +44,7 @@ from actors.kv.profile_choice import AUTO
 from actors.kv.profiles import ModelKVProfile
 from actors.kv.quantized_layout import PAGE_ALIGN, QuantizedKVSizes, arena_views, layout_key
 from actors.kv.quantized_sequences import QuantizedKVSequences, SequenceAllocator, SequenceState
+from kernels.cpu.attention import mixed_prefill_attention
 from kernels.kv_quant import dequantize_keys, dequantize_values, quantize_kv
 from kernels.rope import apply_rope, rope_tables
 
@@ -74,6 +75,14 @@ def mixed_causal_attention(q_nHD: torch.Tensor, k_fp_CHD: torch.Tensor, v_fp_CHD
         [n, Hq, D] fp32.
     """
     c, h, _ = k_fp_CHD.shape
+    n = q_nHD.shape[0]
+    if q_nHD.device.type == "cpu" and torch.equal(q_pos_n, torch.arange(c - n, c)):  # a prefill's last n positions
+        out = torch.empty(q_nHD.shape, dtype=torch.float32)
+        q = q_nHD.float().contiguous()
+        if mixed_prefill_attention(q, k_dq_CHD.float().contiguous(), v_dq_CHD.float().contiguous(),
+                                   k_fp_CHD.float().contiguous(), v_fp_CHD.float().contiguous(), quant_lo, quant_hi_n,
+                                   scale, out):  # the compiled kernel (AVX-512); else the masked SDPA below
+            return out
     j = torch.arange(c, device=q_nHD.device)
     quant = (j[None, :] >= quant_lo) & (j[None, :] < quant_hi_n[:, None])  # [n, C]
     causal = j[None, :] <= q_pos_n[:, None]

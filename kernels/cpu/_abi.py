@@ -40,8 +40,8 @@ class DecodeAttentionArgs(ctypes.Structure):
 
 class PrefillAttentionArgs(ctypes.Structure):
     """`moeray_prefill_attention_args` (kernels/csrc/prefill_attention.c): one task of a causal prefill."""
-    _fields_ = _fields("P q, P kc, P vc, P bt, P out, L n, L ctx, L H, L Hkv, L Dh, L S, L g_lo, L g_hi, L part, "
-                       "L parts, F scale")
+    _fields_ = _fields("P q, P kc, P vc, P bt, P kf, P vf, P hi, P out, L n, L ctx, L H, L Hkv, L Dh, L S, L lo, "
+                       "L g_lo, L g_hi, L part, L parts, F scale")
 
 
 class ExpertFFNArgs(ctypes.Structure):

@@ -76,13 +76,44 @@ def prefill_attention(q_nHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     Raises:
         MemoryError: the scratch (transposed keys, 8 rows of scores) could not be allocated.
     """
-    lib = _build.lib()
-    if lib is None or not f32_cpu(q_nHD, k_cache, v_cache, out_nHD):
+    if not f32_cpu(k_cache, v_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return False
-    if not (q_nHD.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous() and out_nHD.is_contiguous()):
+    return _run(q_nHD, k_cache, v_cache, block_table, None, None, None, 0, ctx, scale, out_nHD)
+
+
+def mixed_prefill_attention(q_nHD: torch.Tensor, k_q_CHD: torch.Tensor, v_q_CHD: torch.Tensor, k_fp_CHD: torch.Tensor,
+                            v_fp_CHD: torch.Tensor, quant_lo: int, quant_hi_n: torch.Tensor, scale: float,
+                            out_nHD: torch.Tensor) -> bool:
+    """Causal attention of a quantized cache's prefill, where query i (position C - n + i) reads key j dequantized
+    (`k_q`, `v_q`) when quant_lo <= j < quant_hi_n[i], else in full precision (`k_fp`, `v_fp`): the contract of
+    `actors.kv.quantized.mixed_causal_attention`, for queries at the last n positions of C keys, in the same kernel
+    and split as `prefill_attention` (key j of both sources is scored only where some query of a tile reads it).
+
+    Args:
+        q_nHD: [n, H, Dh] fp32 (post-RoPE), contiguous. k_q/v_q, k_fp/v_fp: [C, Hkv, Dh] fp32, contiguous (post-RoPE
+            keys). quant_lo: first key position ever read dequantized. quant_hi_n: int64 [n]. scale: softmax scale.
+        out_nHD: [n, H, Dh] fp32, contiguous; written.
+    Returns:
+        True if the kernel ran; False (nothing written) when it cannot: the caller runs its PyTorch path.
+    Raises:
+        MemoryError: no scratch.
+    """
+    C = k_q_CHD.shape[0]
+    ts = (k_q_CHD, v_q_CHD, k_fp_CHD, v_fp_CHD)
+    if not f32_cpu(*ts) or not all(t.is_contiguous() and t.shape == k_q_CHD.shape for t in ts) or C == 0:
+        return False
+    hi = quant_hi_n.to(torch.int64).contiguous()
+    return _run(q_nHD, k_q_CHD[None], v_q_CHD[None], torch.zeros(1, dtype=torch.int64), k_fp_CHD, v_fp_CHD, hi,
+                quant_lo, C, scale, out_nHD)
+
+
+def _run(q_nHD, kc, vc, block_table, kf, vf, hi, lo, ctx, scale, out_nHD) -> bool:
+    """One prefill through moeray_prefill_attention, split over the compute threads (see `prefill_attention`)."""
+    lib = _build.lib()
+    if lib is None or not f32_cpu(q_nHD, out_nHD) or not (q_nHD.is_contiguous() and out_nHD.is_contiguous()):
         return False
     n, H, Dh = q_nHD.shape
-    _, S, Hkv, _ = k_cache.shape
+    _, S, Hkv, _ = kc.shape
     if n == 0 or not 0 < n <= ctx:
         return n == 0
     bt = block_table.to(torch.int64).contiguous()
@@ -91,9 +122,10 @@ def prefill_attention(q_nHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         split = [(i * Hkv // P, (i + 1) * Hkv // P, 0, 1) for i in range(P)]
     else:
         split = [(0, Hkv, i, P) for i in range(P)]
-    args = [PrefillAttentionArgs(q_nHD.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
-                                 out_nHD.data_ptr(), n, ctx, H, Hkv, Dh, S, lo, hi, part, parts, scale)
-            for lo, hi, part, parts in split]
+    ptrs = [None if t is None else t.data_ptr() for t in (kf, vf, hi)]
+    args = [PrefillAttentionArgs(q_nHD.data_ptr(), kc.data_ptr(), vc.data_ptr(), bt.data_ptr(), *ptrs,
+                                 out_nHD.data_ptr(), n, ctx, H, Hkv, Dh, S, lo, g_lo, g_hi, part, parts, scale)
+            for g_lo, g_hi, part, parts in split]
     rc = parallel.run_kernel(parallel.TASK_PREFILL_ATTENTION, args) if len(args) > 1 else \
         lib.moeray_prefill_attention(ctypes.byref(args[0]))
     if rc == -2:

@@ -43,10 +43,11 @@ T512 static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-/* s[v * ld + j] = scale * q_v . k_j for v < MR and keys j of blocks [0, nb) of kt ([nb][Dh][KB]). */
-T512 static void tile_scores(const float *const *qv, const float *kt, long nb, long Dh, float scale, float *s, long ld) {
+/* s[v * ld + j] = scale * q_v . k_j for v < MR and keys j of blocks [c0, c1) of kt ([nb][Dh][KB]). */
+T512 static void tile_scores(const float *const *qv, const float *kt, long c0, long c1, long Dh, float scale, float *s,
+                             long ld) {
     const __m512 sc = _mm512_set1_ps(scale);
-    for (long c = 0; c < nb; c++) {
+    for (long c = c0; c < c1; c++) {
         const float *kc = kt + c * Dh * KB;
         __m512 a[MR][2];
         for (int v = 0; v < MR; v++) a[v][0] = a[v][1] = _mm512_setzero_ps();
@@ -82,20 +83,26 @@ T512 static float tile_softmax(float *s, long n, long w) {
     return 1.0f / _mm512_reduce_add_ps(l);
 }
 
-/* o_v = inv[v] * sum_{j < n} p[v * ld + j] v_j for v < MR (v_j = vh + row[j]), 32 dimensions a pass. */
-T512 static void tile_pv(const float *p, long ld, const float *vh, const long *row, long n, long Dh,
-                         const float *inv, float *const *ov) {
+/* A run of keys [j0, j1) whose values are read at vh + row[j] with the weights p[v * ld + j]. */
+struct pv_run { const float *p, *vh; const long *row; long j0, j1; };  /* not typedef'd: no ctypes mirror */
+
+/* o_v = inv[v] * sum over the runs of sum_j p[v * ld + j] v_j for v < MR, 32 dimensions a pass. */
+T512 static void tile_pv(const struct pv_run *runs, int nruns, long ld, long Dh, const float *inv, float *const *ov) {
     for (long d0 = 0; d0 < Dh; d0 += 32) {
         const __mmask16 m0 = lanes16(Dh - d0), m1 = lanes16(Dh - d0 - 16);
         __m512 a[MR][2];
         for (int v = 0; v < MR; v++) a[v][0] = a[v][1] = _mm512_setzero_ps();
-        for (long j = 0; j < n; j++) {
-            const float *vj = vh + row[j] + d0;
-            const __m512 v0 = _mm512_maskz_loadu_ps(m0, vj), v1 = _mm512_maskz_loadu_ps(m1, vj + 16);
-            for (int v = 0; v < MR; v++) {
-                const __m512 w = _mm512_set1_ps(p[v * ld + j]);
-                a[v][0] = _mm512_fmadd_ps(w, v0, a[v][0]);
-                a[v][1] = _mm512_fmadd_ps(w, v1, a[v][1]);
+        for (int r = 0; r < nruns; r++) {
+            const float *p = runs[r].p, *vh = runs[r].vh;
+            const long *row = runs[r].row;
+            for (long j = runs[r].j0; j < runs[r].j1; j++) {
+                const float *vj = vh + row[j] + d0;
+                const __m512 v0 = _mm512_maskz_loadu_ps(m0, vj), v1 = _mm512_maskz_loadu_ps(m1, vj + 16);
+                for (int v = 0; v < MR; v++) {
+                    const __m512 w = _mm512_set1_ps(p[v * ld + j]);
+                    a[v][0] = _mm512_fmadd_ps(w, v0, a[v][0]);
+                    a[v][1] = _mm512_fmadd_ps(w, v1, a[v][1]);
+                }
             }
         }
         for (int v = 0; v < MR; v++) {
@@ -106,53 +113,93 @@ T512 static void tile_pv(const float *p, long ld, const float *vh, const long *r
     }
 }
 
+/* kt[c][d][j % KB] = k_j[d] for keys j < ctx (k_j = kh + row[j]), zero padded to whole blocks. */
+static void transpose_keys(const float *kh, const long *row, long ctx, long Dh, float *kt) {
+    const long nbk = (ctx + KB - 1) / KB;
+    memset(kt, 0, (size_t)(nbk * KB * Dh) * sizeof(float));
+    for (long j = 0; j < ctx; j++) {
+        const float *kj = kh + row[j];
+        float *dst = kt + (j / KB) * Dh * KB + j % KB;
+        for (long d = 0; d < Dh; d++) dst[d * KB] = kj[d];
+    }
+}
+
 /* Entry point's arguments (kernels/cpu/_abi.py: PrefillAttentionArgs).  q, out: [n, H, Dh] (the prefill's own
-   rows); kc, vc: [NB, S, Hkv, Dh]; bt: the sequence's block table (>= ceil(ctx / S) entries).  A task computes
-   KV heads [g_lo, g_hi) and, of each, query tiles part, part + parts, part + 2 parts, ... */
+   rows); kc, vc: [NB, S, Hkv, Dh] (a dense [ctx, Hkv, Dh] is S = ctx with bt = {0}); bt: the sequence's block table
+   (>= ceil(ctx / S) entries).  Mixed (kf non-NULL, the quantized cache's prefill): key j of query i comes from
+   kc / vc only where lo <= j < hi[i], else from the dense kf / vf [ctx, Hkv, Dh] (what decoding will see: the
+   sealed blocks dequantized, the sink and the open tail in full precision).  A task computes KV heads
+   [g_lo, g_hi) and, of each, query tiles part, part + parts, part + 2 parts, ... */
 typedef struct {
-    const float *q, *kc, *vc; const long *bt; float *out;
-    long n, ctx, H, Hkv, Dh, S, g_lo, g_hi, part, parts; float scale;
+    const float *q, *kc, *vc; const long *bt; const float *kf, *vf; const long *hi; float *out;
+    long n, ctx, H, Hkv, Dh, S, lo, g_lo, g_hi, part, parts; float scale;
 } moeray_prefill_attention_args;
 
 T512 static long prefill_attention(const moeray_prefill_attention_args *a) {
-    const long n = a->n, ctx = a->ctx, H = a->H, Hkv = a->Hkv, Dh = a->Dh, S = a->S, rep = H / Hkv;
-    const long nbk = (ctx + KB - 1) / KB, ld = nbk * KB, p0 = ctx - n;
+    const long n = a->n, ctx = a->ctx, H = a->H, Hkv = a->Hkv, Dh = a->Dh, S = a->S, rep = H / Hkv, lo = a->lo;
+    const long nbk = (ctx + KB - 1) / KB, ld = nbk * KB, p0 = ctx - n, mixed = a->kf != NULL;
     /* one tile: tr positions x hs heads of a group (hs <= MR), the heads of a group in sub-groups of hs */
     const long hs = rep < MR ? rep : MR, tr = MR / hs, nsub = (rep + hs - 1) / hs, ntile = (n + tr - 1) / tr;
-    float *kt = (float *)malloc((size_t)(nbk * KB * Dh) * sizeof(float));
-    float *s = (float *)malloc((size_t)(MR * ld) * sizeof(float));
-    long *row = (long *)malloc((size_t)ctx * sizeof(long));
+    const size_t ktn = (size_t)(nbk * KB * Dh), sn = (size_t)(MR * ld);
+    float *kt = (float *)malloc((mixed ? 2 : 1) * ktn * sizeof(float));
+    float *s = (float *)malloc((mixed ? 2 : 1) * sn * sizeof(float));
+    long *row = (long *)malloc((mixed ? 2 : 1) * (size_t)ctx * sizeof(long));
     if (!kt || !s || !row) {
         free(kt); free(s); free(row);
         return -1;
     }
+    float *ktf = kt + ktn, *s2 = s + sn;  /* mixed: the dense source's keys and scores (then its weights) */
+    long *rowf = row + ctx;
     for (long j = 0; j < ctx; j++) row[j] = (a->bt[j / S] * S + j % S) * Hkv * Dh;
+    if (mixed)
+        for (long j = 0; j < ctx; j++) rowf[j] = j * Hkv * Dh;
     for (long g = a->g_lo; g < a->g_hi; g++) {
-        memset(kt, 0, (size_t)(nbk * KB * Dh) * sizeof(float));
-        for (long j = 0; j < ctx; j++) {
-            const float *kj = a->kc + row[j] + g * Dh;
-            float *dst = kt + (j / KB) * Dh * KB + j % KB;
-            for (long d = 0; d < Dh; d++) dst[d * KB] = kj[d];
-        }
-        const float *vh = a->vc + g * Dh;
+        transpose_keys(a->kc + g * Dh, row, ctx, Dh, kt);
+        if (mixed) transpose_keys(a->kf + g * Dh, rowf, ctx, Dh, ktf);
         for (long t = a->part; t < ntile * nsub; t += a->parts) {
             const long r0 = (t / nsub) * tr, h0 = g * rep + (t % nsub) * hs;
             const long nr = n - r0 < tr ? n - r0 : tr, nh = g * rep + rep - h0 < hs ? g * rep + rep - h0 : hs;
             const float *qv[MR];
             float *ov[MR];
-            long lim[MR];
+            long lim[MR], from[MR], hmin = ctx;
             float inv[MR];
             for (int v = 0; v < MR; v++) {  /* vectors past the tile's positions or heads repeat the last real one */
                 const long r = r0 + (v / hs < nr ? v / hs : nr - 1), h = h0 + (v % hs < nh ? v % hs : nh - 1);
                 qv[v] = a->q + (r * H + h) * Dh;
                 ov[v] = a->out + (r * H + h) * Dh;
                 lim[v] = p0 + r + 1;  /* keys this vector sees */
+                from[v] = mixed ? (a->hi[r] > lo ? a->hi[r] : lo) : ctx;  /* dense source from here on (and below lo) */
+                if (from[v] > lim[v]) from[v] = lim[v];
+                if (from[v] < hmin) hmin = from[v];
             }
             const long keys = p0 + r0 + nr;  /* the tile's last position sees this many */
-            const long nb = (keys + KB - 1) / KB;
-            tile_scores(qv, kt, nb, Dh, a->scale, s, ld);
+            const long nb = (keys + KB - 1) / KB, clo = mixed ? (lo + KB - 1) / KB : 0, chi = hmin / KB;
+            tile_scores(qv, kt, 0, nb, Dh, a->scale, s, ld);
+            if (mixed) {  /* the dense source's scores where any vector reads it: keys below lo, and from hmin on */
+                tile_scores(qv, ktf, 0, clo < nb ? clo : nb, Dh, a->scale, s2, ld);
+                tile_scores(qv, ktf, chi > clo ? chi : clo, nb, Dh, a->scale, s2, ld);
+                for (int v = 0; v < MR; v++)
+                    for (long j = 0; j < lim[v]; j++)
+                        if (j < lo || j >= from[v]) s[v * ld + j] = s2[v * ld + j];
+            }
             for (int v = 0; v < MR; v++) inv[v] = tile_softmax(s + v * ld, lim[v], nb * KB);
-            tile_pv(s, ld, vh, row, keys, Dh, inv, ov);
+            struct pv_run runs[3] = {{s, a->vc + g * Dh, row, 0, keys}};
+            int nruns = 1;
+            if (mixed) {  /* move the dense source's weights to s2 (exact zeros left behind in either row) */
+                const long l0 = lo < keys ? lo : keys;
+                for (int v = 0; v < MR; v++) {
+                    float *p = s + v * ld, *p2 = s2 + v * ld;
+                    for (long j = 0; j < l0; j++) { p2[j] = p[j]; p[j] = 0.0f; }
+                    for (long j = l0 > hmin ? l0 : hmin; j < keys; j++) {
+                        const int dense = j < lim[v] && j >= from[v];
+                        p2[j] = dense ? p[j] : 0.0f;
+                        if (dense) p[j] = 0.0f;
+                    }
+                }
+                runs[nruns++] = (struct pv_run){s2, a->vf + g * Dh, rowf, 0, l0};
+                runs[nruns++] = (struct pv_run){s2, a->vf + g * Dh, rowf, l0 > hmin ? l0 : hmin, keys};
+            }
+            tile_pv(runs, nruns, ld, Dh, inv, ov);
         }
     }
     free(kt); free(s); free(row);

@@ -1,6 +1,7 @@
 """The compiled causal prefill attention (`kernels.cpu.prefill_attention`) against the PyTorch reference
 (`paged_attention_ref`: SDPA over the gathered blocks), on shapes that are not multiples of its tiles; bit-identical
-over thread splits and over chunkings of the prompt; and `paged_attention` using it beside decode rows."""
+over thread splits and over chunkings of the prompt; `paged_attention` using it beside decode rows; and its mixed
+form (the quantized cache's prefill) against that cache's masked SDPA."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from actors.model.attention import AttentionMetadata, paged_attention, paged_attention_ref
 from kernels.cpu import _build, cpu_kernels_available, parallel, prefill_attention
+from kernels.cpu.attention import mixed_prefill_attention
 
 
 @pytest.fixture
@@ -92,3 +94,37 @@ def test_paged_attention_mixes_decode_rows_and_prefills(avx512):
         prefills=[(2, 20, 20, torch.tensor([1, 2, 3])), (22, 13, 30, torch.tensor([20, 21, 22, 23]))])
     torch.testing.assert_close(paged_attention(q, kc, vc, meta, 0.2), paged_attention_ref(q, kc, vc, meta, 0.2),
                                atol=5e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,C,lo,S", [(40, 40, 1, 16), (23, 90, 4, 16), (64, 150, 0, 8), (5, 5, 2, 4), (130, 130, 4, 16)])
+def test_mixed_prefill_matches_the_masked_reference(avx512, n, C, lo, S):
+    """The quantized cache's prefill (`mixed_causal_attention`): query i reads key j dequantized where
+    lo <= j < hi_i (the sealed blocks before its own), else in full precision; the kernel equals the masked SDPA
+    over both halves, on 1 and 2 threads bit for bit."""
+    from actors.kv import quantized
+
+    g = torch.Generator().manual_seed(n + C)
+    H, Hkv, Dh = 4, 2, 32
+    kq, vq, kf, vf = (torch.randn(C, Hkv, Dh, generator=g) for _ in range(4))
+    kq[:lo], vq[:lo] = kf[:lo], vf[:lo]  # the sink: one copy in both (as the cache builds them)
+    q = torch.randn(n, H, Dh, generator=g)
+    pos = torch.arange(C - n, C)
+    hi = torch.clamp(lo + (pos + 1 - lo).clamp(min=0) // S * S, min=min(lo + S, C - n))  # the min: blocks sealed before the chunk
+    # the masked SDPA over both halves (mixed_causal_attention's own PyTorch path)
+    j = torch.arange(C)
+    quant = (j[None, :] >= lo) & (j[None, :] < hi[:, None])
+    causal = j[None, :] <= pos[:, None]
+    mask = torch.cat([causal & ~quant, causal & quant], dim=1)
+    k = torch.cat([kf, kq]).transpose(0, 1)
+    v = torch.cat([vf, vq]).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                                           scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+    outs = []
+    for th in (1, 2):
+        parallel.set_threads(th)
+        out = torch.full_like(q, float("nan"))
+        assert mixed_prefill_attention(q, kq, vq, kf, vf, lo, hi, 0.3, out)  # the kernel ran
+        outs.append(out)
+    torch.testing.assert_close(outs[0], ref, atol=5e-6, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(quantized.mixed_causal_attention(q, kf, vf, kq, vq, pos, lo, hi, 0.3), outs[0])  # its caller
