@@ -12,12 +12,15 @@ Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {2, 3, 4}:
 Per-channel widths (`pack_codes_var` / `unpack_codes_var`): channel d of head h has its own width b[h, d] in
 [1, 8], every head's widths summing to the same B. The codes of a (token, head) row are one bitstream with
 the same rule, channel d at bit offset sum(b[h, :d]) (`channel_bit_offsets`), zero-padded to
-Pk = ceil(B / 8) bytes.
+Pk = ceil(B / 8) bytes. On CPU all four run as one compiled pass (kernels/csrc/kv_bits.c) when the kernels are built;
+the PyTorch ops here are the reference (and the path elsewhere).
 
 Shape legend: N = tokens, H = KV heads, D = head_dim (codes per row), P = packed bytes per row
 (D * bits / 8), Pk = packed bytes of a per-channel-width row.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -54,6 +57,13 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     d = codes.shape[-1]
     p = packed_bytes(d, bits)
+    lib = _cpu_lib(codes)
+    if lib is not None:  # the compiled pass: the per-channel one with every width = bits is this layout
+        c = codes.to(torch.int64).contiguous()
+        out = torch.empty(*codes.shape[:-1], p, dtype=torch.uint8)
+        lib.moeray_pack_codes_var(c.data_ptr(), c.numel() // max(d, 1), 1, d, _uniform(d, bits).data_ptr(), p,
+                                  out.data_ptr())
+        return out
     c = codes.to(torch.int32)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], p, 8)  # [..., P, 8] bits
@@ -76,6 +86,13 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
     p = packed_bytes(head_dim, bits)
     if packed.shape[-1] != p:
         raise ValueError(f"packed.shape[-1]={packed.shape[-1]} != head_dim*bits/8={p}")
+    lib = _cpu_lib(packed)
+    if lib is not None and packed.dtype == torch.uint8:
+        pk = packed.contiguous()
+        out = torch.empty(*packed.shape[:-1], head_dim, dtype=torch.int64)
+        lib.moeray_unpack_codes_var(pk.data_ptr(), pk.numel() // p, 1, head_dim, _uniform(head_dim, bits).data_ptr(), p,
+                                    out.data_ptr())
+        return out
     weights = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> weights) & 1).reshape(*packed.shape[:-1], head_dim, bits)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
@@ -97,6 +114,21 @@ def _check_widths(widths_HD: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"k_bits rows must sum to the same bits per head; got {sums.tolist()}")
     total = int(sums[0])
     return total, -(-total // 8)
+
+
+@functools.lru_cache(maxsize=64)
+def _uniform(d: int, bits: int) -> torch.Tensor:
+    """[1, d] int64 widths, all `bits`: the fixed-width layout as per-channel widths."""
+    return torch.full((1, d), bits, dtype=torch.int64)
+
+
+def _cpu_lib(t: torch.Tensor):
+    """The compiled CPU kernels when `t` is on CPU and they run (`kernels.cpu`), else None (the PyTorch ops)."""
+    if t.device.type != "cpu":
+        return None
+    from kernels.cpu import _build  # here, not at import: kernels.cpu needs no part of this module
+
+    return _build.lib()
 
 
 def _bit_mask(widths_HD: torch.Tensor) -> torch.Tensor:
@@ -121,6 +153,12 @@ def pack_codes_var(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     n, h, d = codes.shape
     if widths.shape != (h, d):
         raise ValueError(f"codes.shape={tuple(codes.shape)} does not match widths.shape={tuple(widths.shape)}")
+    lib = _cpu_lib(codes)
+    if lib is not None:  # the compiled pass (kernels/csrc/kv_bits.c), bit-identical to the ops below
+        c, w = codes.to(torch.int64).contiguous(), widths.to(torch.int64).contiguous()
+        out = torch.empty(n, h, pk, dtype=torch.uint8)
+        lib.moeray_pack_codes_var(c.data_ptr(), n, h, d, w.data_ptr(), pk, out.data_ptr())
+        return out
     shifts = torch.arange(MAX_CHANNEL_BITS, device=codes.device, dtype=torch.int32)
     bits = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [N, H, D, 8]
     stream = bits[:, _bit_mask(widths)].reshape(n, h, total)
@@ -137,6 +175,12 @@ def unpack_codes_var(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor
     n, h = packed.shape[:2]
     if packed.dim() != 3 or packed.shape[2] != pk or widths.shape[0] != h:
         raise ValueError(f"packed.shape={tuple(packed.shape)} must be [N, H={widths.shape[0]}, Pk={pk}]")
+    lib = _cpu_lib(packed)
+    if lib is not None and packed.dtype == torch.uint8:
+        p, w = packed.contiguous(), widths.to(torch.int64).contiguous()
+        out = torch.empty(n, h, w.shape[1], dtype=torch.int64)
+        lib.moeray_unpack_codes_var(p.data_ptr(), n, h, w.shape[1], w.data_ptr(), pk, out.data_ptr())
+        return out
     shifts = torch.arange(MAX_CHANNEL_BITS, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(n, h, pk * 8)[..., :total]
     mask = _bit_mask(widths)

@@ -115,6 +115,8 @@ SIGNATURES = {
     "moeray_markov_probs": (_ptr(MarkovProbsArgs), None),
     "moeray_gate_logprobs": ([_P, _L, _L, _L, _P, _F, _P, _L, _P, _P], None),
     "moeray_prefetch_step": (_ptr(PrefetchStepArgs), None),
+    "moeray_pack_codes_var": ([_P, _L, _L, _L, _P, _L, _P], None),
+    "moeray_unpack_codes_var": ([_P, _L, _L, _L, _P, _L, _P], None),
     "moeray_shm_a2a_send": ([_P, _L, _L, _L, _L, _L, _P, _P, _L], None),
     "moeray_shm_a2a_recv": ([_P, _L, _L, _L, _L, _L, _P, _L, _L, _L], _L),
 }

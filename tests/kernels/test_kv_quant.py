@@ -274,6 +274,33 @@ def test_pack_codes_var_roundtrip_matches_fixed_width_layout():
         pack_codes_var(codes, torch.tensor([[0, 4] + [2] * 6, [2] * 8], dtype=torch.uint8))
 
 
+def test_pack_codes_var_compiled_pass_equals_the_pytorch_reference(monkeypatch):
+    """kernels/csrc/kv_bits.c writes the reference's bytes and reads its codes back, for rows that end mid-byte and
+    widths of 1 to 8, and the fixed-width `pack_codes` / `unpack_codes` that run through it (the reference: the same
+functions with the compiled pass turned off)."""
+    from kernels import kv_pack
+    from kernels.cpu import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("no C compiler or no AVX2/FMA: only the reference runs")
+    g = torch.Generator().manual_seed(1)
+    # rows of 29 bits: 4 bytes, the last one 5/8 used
+    widths = torch.tensor([[1, 8, 3, 2, 5, 2, 3, 4, 1], [2, 2, 2, 2, 2, 2, 8, 8, 1], [6, 8, 8, 1, 1, 1, 1, 1, 2]])
+    codes = (torch.rand(37, 3, 9, generator=g) * (1 << widths).float()).long()
+    fast = pack_codes_var(codes, widths)
+    fast_codes = unpack_codes_var(fast, widths)
+    fixed = {b: torch.randint(0, 1 << b, (4, 3, 16), generator=g) for b in (2, 3, 4)}  # pack_codes: the same pass
+    fast_fixed = {b: pack_codes(c, b) for b, c in fixed.items()}
+    monkeypatch.setattr(kv_pack, "_cpu_lib", lambda t: None)
+    assert torch.equal(fast, pack_codes_var(codes, widths))
+    assert torch.equal(fast_codes, unpack_codes_var(fast, widths)) and torch.equal(fast_codes, codes)
+    for b, c in fixed.items():
+        assert torch.equal(fast_fixed[b], pack_codes(c, b))
+        monkeypatch.undo()
+        assert torch.equal(unpack_codes(fast_fixed[b], b, 16), c)
+        monkeypatch.setattr(kv_pack, "_cpu_lib", lambda t: None)
+
+
 def test_allocate_channel_bits_follows_weighted_error():
     # err halves per bit (6 dB/bit): the bit goes where weight * err is largest
     err = torch.stack([torch.full((1, 4), 4.0 ** -b) for b in range(9)])
