@@ -94,7 +94,8 @@ class Router:
         gen = self._gen
         self._ranks.reset(self.cluster.kv_blocks_per_rank)  # a new EP group: empty caches, nothing in flight
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
-                                      lambda reason, detail, rank: self._on_rank_failure(gen, reason, detail, rank))
+                                      lambda reason, detail, rank: self._on_rank_failure(gen, reason, detail, rank),
+                                      silence_s=self.cfg.rank_silence_s)
 
     @property
     def submit_is_quick(self) -> bool:
