@@ -7,12 +7,13 @@ placement group's bundles on that node, and a rebuilt group's rank started there
 (`EPCluster.restart`) first asks every old rank a trivial call (`health`) with a short deadline, NODE_PROBE_S:
 an actor whose process is gone answers at once with an error (Ray knows: its raylet or its node reported it),
 a live one answers in milliseconds (the call runs on an actor thread of its own, beside a step thread that may
-be blocked in a collective), and one that gives no answer at all sits on a node that is silent. Those nodes are
-suspects: the rebuilt placement group excludes them by Ray's node-id label (`avoid_selector`), so SPREAD packs
-the ranks onto the survivors at once; STRICT_SPREAD then waits for a replacement node (it cannot pack).
+be blocked in a collective), and one that gives no answer at all is hung or sits on a silent node. A node where
+no rank answers, while another node is alive, counts as lost (`lost_among`): the rebuilt placement group excludes
+it by Ray's node-id label (`avoid_selector`), so SPREAD packs the ranks onto the survivors at once; STRICT_SPREAD
+then waits for a replacement node (it cannot pack).
 
-A node suspected by mistake (a rank too overloaded to answer within NODE_PROBE_S) only costs that placement
-group the node; the next one a rebuild makes without suspects may use it again.
+A node counted lost by mistake (its ranks too overloaded to answer within NODE_PROBE_S) only costs the rebuilt
+placement group that node; a one-node cluster never excludes its only node.
 """
 from __future__ import annotations
 
@@ -36,13 +37,6 @@ def unanswered(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[int]:
     return [i for i, ref in enumerate(refs) if ref not in done]
 
 
-def nodes_of(pg, bundles: list[int]) -> set[str]:
-    """Node ids (hex) that placement group `pg` put `bundles` (bundle indices) on; a bundle not placed (Ray
-    is rescheduling it) is left out."""
-    where = placement_group_table(pg).get("bundles_to_node_id", {})
-    return {where[b] for b in bundles if where.get(b)}
-
-
 def avoid_selector(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] | None:
     """`placement_group(bundle_label_selector=...)` keeping every one of `n_bundles` bundles off `node_ids`
     (None when there is nothing to avoid)."""
@@ -52,13 +46,26 @@ def avoid_selector(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] |
     return [{NODE_ID_LABEL_KEY: f"!in({sel})"} for _ in range(n_bundles)]
 
 
+def lost_among(node_of_rank: list[str | None], quiet: list[int], alive: set[str]) -> set[str]:
+    """The nodes that count as lost: every rank on them is in `quiet` (indices into `node_of_rank`, each rank's
+    node id or None if unknown), and some node in `alive` (Ray's alive nodes) stays outside them. One hung rank
+    beside a rank that answers on the same node is a rank failure, not a node loss; and a verdict that would leave
+    no node to place the group on is no verdict (on one node, a hung rank's node is the only one there is)."""
+    heard = {n for i, n in enumerate(node_of_rank) if i not in quiet and n}
+    lost = {node_of_rank[i] for i in quiet if node_of_rank[i]} - heard
+    return lost if alive - lost else set()
+
+
 def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PROBE_S) -> set[str]:
-    """The nodes of the ranks that do not answer within `timeout_s` (`unanswered`), by node id; `bundles[i]` is
-    rank i's bundle in `pg`. Logs what it finds."""
+    """The nodes that count as lost (`lost_among`) after asking `ranks` `health` (`unanswered`), by node id;
+    `bundles[i]` is rank i's bundle in `pg`. Logs what it finds."""
     quiet = unanswered(ranks, timeout_s)
     if not quiet:
         return set()
-    nodes = nodes_of(pg, [bundles[i] for i in quiet])
-    log.warning("ranks %s gave no answer within %.1f s: their nodes %s count as lost (the rebuilt group avoids "
-                "them)", quiet, timeout_s, sorted(n[:12] for n in nodes))
+    where = placement_group_table(pg).get("bundles_to_node_id", {})
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    nodes = lost_among([where.get(b) for b in bundles], quiet, alive)
+    log.warning("ranks %s gave no answer within %.1f s: %s", quiet, timeout_s,
+                f"their nodes {sorted(n[:12] for n in nodes)} count as lost (the rebuilt group avoids them)"
+                if nodes else "not a node loss (a rank on the same node answered, or no other node is alive)")
     return nodes
