@@ -28,6 +28,7 @@ from actors.rank.output_channel import WAKE, encode_control, read_frame
 # router asks the actor directly whether it is alive; it then has as long again to answer, else the rank counts
 # as lost (a node gone without a reset: nothing else would ever tell). `ClusterConfig.rank_silence_s` overrides it.
 CHANNEL_SILENCE_S = 5.0
+CONNECT_TIMEOUT_S = 60.0  # a rank's channel: opened (a Ray call) and connected within this long
 
 
 class RankFailed(RuntimeError):
@@ -54,7 +55,7 @@ def client_reason(rank: int, exc: BaseException) -> str:
     if isinstance(exc, RankSilent):
         return f"rank {rank} is unreachable (silent for {exc.silent_s:.0f} s: its node may be lost)"
     if isinstance(exc, (TimeoutError, socket.timeout)):
-        return f"rank {rank} is unreachable (no answer in time)"
+        return f"rank {rank} is unreachable (no answer within {CONNECT_TIMEOUT_S:.0f} s)"
     if type(exc).__module__.startswith("ray"):
         return f"rank {rank} is unreachable (its actor is gone)"
     return f"rank {rank} is unreachable ({type(exc).__name__})"
@@ -168,8 +169,8 @@ class RankChannels:
         answer. `rank`: the poller's slot (its index when it started)."""
         conn = None
         try:
-            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
-            conn = socket.create_connection((host, port), timeout=60)
+            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=CONNECT_TIMEOUT_S)
+            conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(token.encode() + b"\n")
             conn.settimeout(self.silence_s)
