@@ -24,6 +24,8 @@ on 127.0.0.11 and node B on 127.0.0.12): 2 ranks with SPREAD, one per node, 4 lo
 node B is SIGSTOPped (a node lost without a TCP reset or FIN: power cut, partition). node_loss_serving_s: seconds
 from the stop to the first completed new request (the group rebuilt on node A, `cluster.lost_nodes`); its
 in-flight requests must end with a retriable error (else they count in `lost`), and unfinished ones in `hung`.
+Without --quick the case is run again under `--redundant-experts` and printed (the survivor's streams go on after
+the detection bound; not part of the RESULT line).
 
     python bench/failover.py            # 4 trials
     python bench/failover.py --quick    # 2 trials
@@ -197,6 +199,9 @@ def main() -> None:
             print(f"node loss (node B SIGSTOPped, {nl['stopped']} processes): in-flight requests ended after "
                   f"{nl['fail_s']:.2f} s ({nl['errors']} not with an error: {nl['reasons']}), serving again after "
                   f"{nl['serving_s']:.2f} s on {nl['ranks_after']}, hung {nl['hung']}", flush=True)
+        if not args.quick and not args.no_elastic:  # the same under --redundant-experts (not part of RESULT)
+            ne = node_loss(args.model, redundant_experts=True)
+            print(f"node loss, elastic: {ne}", flush=True)
 
     print()
     print("| trial | killed rank | errors after (s) | serving after (s) | rebuild (s) | lost | leaked blocks |")

@@ -70,18 +70,23 @@ def kill_node(root: int) -> None:
             pass
 
 
-def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 90.0) -> dict:
+def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 90.0,
+                    redundant_experts: bool = False) -> dict:
     """In a driver connected (ray.init done) to a `TwoNodes` cluster whose node B is the process tree under pid `root`: the
     trial of the module docstring. Returns {fail_s, serving_s (nan: not serving within timeout_s), hung, errors,
     stopped (processes stopped), reasons (distinct client error texts), ranks_after (node IPs of the rebuilt
-    group's ranks), recoveries}."""
+    group's ranks), recoveries}. redundant_experts: the elastic path (the survivor's own streams go on, only the
+    lost rank's end; `errors` then counts the lost rank's streams that did not end with an error, `survived` the
+    survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop)."""
     import ray
 
     from actors.engine.sampling import SamplingParams
+    from bench.two_nodes import NODE_B_IP
     from moeray.api import LLM
     from router_service.errors import EngineError
 
-    llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=512, kv_cache_bytes=8 << 20)
+    llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=512, kv_cache_bytes=8 << 20,
+              redundant_experts=redundant_experts)
     try:
         router = llm.router
         ips = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=60)
@@ -89,17 +94,27 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
         ss = [router.submit(f"Prompt {i}: the history of the river and the town", long) for i in range(streams)]
         for s in ss:
             s.get(timeout=60)  # every stream is decoding
-        t0 = time.monotonic()
+        owner = [s.rank for s in ss]  # before the loss: an elastic regroup renumbers the survivors
+        t0, t_stop = time.monotonic(), time.perf_counter()
         stopped = stop_node(root)
         hung = errors = 0
         reasons = set()
-        for s in ss:
+        lost_rank = ips.index(NODE_B_IP)
+        survived, stall = 0, float("nan")  # elastic: the surviving rank's streams that completed, their stall
+        for s, rank in zip(ss, owner):
             try:
                 out = s.result(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
-                errors += out.finish_reason != "error"
-                reasons.add(out.error)
             except TimeoutError:
                 hung += 1
+                continue
+            if redundant_experts and rank != lost_rank:
+                survived += out.finish_reason == "length"
+                after = [t for t in out.token_times if t > t_stop - s.t0]
+                if after:
+                    stall = max(after[0] - (t_stop - s.t0), stall if stall == stall else 0.0)
+                continue
+            errors += out.finish_reason != "error"
+            reasons.add(out.error)
         fail_s = time.monotonic() - t0
         serving_s = float("nan")
         probe = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -116,14 +131,14 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 break
             time.sleep(0.1)
         after = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=30) if serving_s == serving_s else []
-        return {"fail_s": fail_s, "serving_s": serving_s, "hung": hung, "errors": errors, "stopped": stopped,
+        return {"fail_s": fail_s, "survived": survived, "survivor_stall_s": stall, "serving_s": serving_s, "hung": hung, "errors": errors, "stopped": stopped,
                 "reasons": sorted(str(r) for r in reasons), "ranks_before": ips, "ranks_after": after,
                 "recoveries": router.recoveries}
     finally:
         llm.shutdown()
 
 
-def drive(model: str) -> None:
+def drive(model: str, redundant_experts: bool = False) -> None:
     """Driver subprocess entry (env: `TwoNodes.env` plus NODE_B_PID_ENV): prints `NODELOSS <json>`."""
     import json
 
@@ -133,12 +148,12 @@ def drive(model: str) -> None:
 
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level="ERROR")
     wait_alive(2)
-    r = node_loss_trial(model, int(os.environ[NODE_B_PID_ENV]))
+    r = node_loss_trial(model, int(os.environ[NODE_B_PID_ENV]), redundant_experts=redundant_experts)
     print("NODELOSS " + json.dumps(r, default=str), flush=True)
     os._exit(0)  # not ray.shutdown(): it would wait on the stopped node
 
 
-def run(model: str, timeout_s: float = 240.0) -> dict:
+def run(model: str, timeout_s: float = 240.0, redundant_experts: bool = False) -> dict:
     """Start a `TwoNodes` cluster, run `drive` in a subprocess, stop everything; returns the trial's dict (or
     {"error": ...} with the driver's stderr tail)."""
     import json
@@ -151,7 +166,7 @@ def run(model: str, timeout_s: float = 240.0) -> dict:
     try:
         env = {**nodes.env, NODE_B_PID_ENV: str(nodes.procs["b"].pid)}
         try:
-            p = subprocess.run([sys.executable, "-c", f"from bench.node_loss import drive; drive({model!r})"],
+            p = subprocess.run([sys.executable, "-c", f"from bench.node_loss import drive; drive({model!r}, {redundant_experts})"],
                                env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             return {"error": f"driver did not finish within {timeout_s}s", "stderr": str(e.stderr)[-3000:]}
@@ -170,4 +185,4 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from cluster.config import DEFAULT_MODEL
 
-    print(run(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL))
+    print(run(DEFAULT_MODEL, redundant_experts="--redundant-experts" in sys.argv))
