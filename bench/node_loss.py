@@ -72,10 +72,10 @@ def kill_node(root: int) -> None:
 
 def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 90.0,
                     redundant_experts: bool = False) -> dict:
-    """In a driver connected (ray.init done) to a `TwoNodes` cluster whose node B is the process tree under pid `root`: the
-    trial of the module docstring. Returns {fail_s, serving_s (nan: not serving within timeout_s), hung, errors,
-    stopped (processes stopped), reasons (distinct client error texts), ranks_after (node IPs of the rebuilt
-    group's ranks), recoveries}. redundant_experts: the elastic path (the survivor's own streams go on, only the
+    """In a driver connected (ray.init done) to a `TwoNodes` cluster whose node B is the process tree under pid
+    `root`: the trial of the module docstring. Returns {fail_s, serving_s (nan: not serving within timeout_s),
+    hung, errors, stopped (processes stopped), reasons (distinct client error texts), ranks_before / ranks_after
+    (node IPs of the ranks before the loss / of the rebuilt group), recoveries}. redundant_experts: the elastic path (the survivor's own streams go on, only the
     lost rank's end; `errors` then counts the lost rank's streams that did not end with an error, `survived` the
     survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop)."""
     import ray
@@ -120,7 +120,8 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
         probe = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         while time.monotonic() - t0 < timeout_s:
             try:
-                out = router.submit("are you back?", probe).result(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+                left = max(1.0, timeout_s - (time.monotonic() - t0))
+                out = router.submit("are you back?", probe).result(timeout=left)
                 if out.finish_reason == "length":
                     serving_s = time.monotonic() - t0
                     break
@@ -131,7 +132,8 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 break
             time.sleep(0.1)
         after = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=30) if serving_s == serving_s else []
-        return {"fail_s": fail_s, "survived": survived, "survivor_stall_s": stall, "serving_s": serving_s, "hung": hung, "errors": errors, "stopped": stopped,
+        return {"fail_s": fail_s, "survived": survived, "survivor_stall_s": stall, "serving_s": serving_s,
+                "hung": hung, "errors": errors, "stopped": stopped,
                 "reasons": sorted(str(r) for r in reasons), "ranks_before": ips, "ranks_after": after,
                 "recoveries": router.recoveries}
     finally:
@@ -166,7 +168,8 @@ def run(model: str, timeout_s: float = 240.0, redundant_experts: bool = False) -
     try:
         env = {**nodes.env, NODE_B_PID_ENV: str(nodes.procs["b"].pid)}
         try:
-            p = subprocess.run([sys.executable, "-c", f"from bench.node_loss import drive; drive({model!r}, {redundant_experts})"],
+            code = f"from bench.node_loss import drive; drive({model!r}, {redundant_experts})"
+            p = subprocess.run([sys.executable, "-c", code],
                                env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired as e:
             return {"error": f"driver did not finish within {timeout_s}s", "stderr": str(e.stderr)[-3000:]}

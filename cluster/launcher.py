@@ -121,21 +121,23 @@ class EPCluster:
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def restart(self, timeout_s: float = 60.0) -> float:
+    def restart(self, timeout_s: float = 60.0, silent: frozenset[int] = frozenset()) -> float:
         """Tear the whole EP group down and bring up a new one: every rank joins every all-to-all, so one
         dead rank leaves the others unable to step. Kills every rank actor (the survivors may be blocked in a
         collective until the process-group timeout, so they are only asked `health`: a rank that gives no answer
         within `lost_nodes.NODE_PROBE_S` sits on a lost node, and the placement group is then made anew without
         that node, `cluster.lost_nodes`), starts new actors in the placement group's bundles with the initial
         expert placement, and joins them in a new process group. KV caches and in-flight sequences are lost: the
-        caller fails them first. Returns the seconds taken.
+        caller fails them first. silent: ranks the caller already found silent (not asked again). Returns the
+        seconds taken.
 
         Raises:
             TimeoutError: the placement group or the new ranks are not ready within `timeout_s`.
             ray.exceptions.RayActorError: a new rank failed during setup.
         """
         t0 = time.perf_counter()
-        lost = silent_nodes(self.pg, self.ranks, [bundle_of(s, self.cfg.ranks_per_node) for s in self.slots])
+        lost = silent_nodes(self.pg, self.ranks, [bundle_of(s, self.cfg.ranks_per_node) for s in self.slots],
+                            known=silent)
         self._kill_ranks()
         if lost - self._avoid:  # Ray still counts them alive and keeps bundles there: a new group, off them
             self._avoid |= lost

@@ -32,6 +32,8 @@ def unanswered(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[int]:
     """Indices of the rank actors in `ranks` that gave no answer to `health` within `timeout_s` seconds (all
     asked at once). An actor that answers, even with an error (dead, failed), is not in the list."""
     refs = [r.health.remote() for r in ranks]
+    if not refs:
+        return []
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
     return [i for i, ref in enumerate(refs) if ref not in done]
@@ -56,10 +58,13 @@ def lost_among(node_of_rank: list[str | None], quiet: list[int], alive: set[str]
     return lost if alive - lost else set()
 
 
-def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PROBE_S) -> set[str]:
+def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PROBE_S,
+                 known: frozenset[int] = frozenset()) -> set[str]:
     """The nodes that count as lost (`lost_among`) after asking `ranks` `health` (`unanswered`), by node id;
-    `bundles[i]` is rank i's bundle in `pg`. Logs what it finds."""
-    quiet = unanswered(ranks, timeout_s)
+    `bundles[i]` is rank i's bundle in `pg`. `known`: ranks already found silent (the router's `RankSilent`), not
+    asked again, so the answer comes as soon as the others have answered. Logs what it finds."""
+    others = [i for i in range(len(ranks)) if i not in known]
+    quiet = sorted(set(known) | {others[j] for j in unanswered([ranks[i] for i in others], timeout_s)})
     if not quiet:
         return set()
     where = placement_group_table(pg).get("bundles_to_node_id", {})

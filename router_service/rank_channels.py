@@ -75,6 +75,7 @@ class RankChannels:
             answer, else it is reported lost (`RankSilent`): a rank is declared lost at most 2 * silence_s
             seconds after its last frame.
     `drop(rank)` takes a lost rank out (elastic EP): the others keep their connections and move down one index.
+    `silent`: the ranks reported silent (`RankSilent`), for the rebuild (`EPCluster.restart(silent=...)`).
     """
 
     def __init__(self, ranks: list, next_seq: Callable[[], int], on_outputs: Callable[[list[TokenOutput]], None],
@@ -82,6 +83,7 @@ class RankChannels:
         if not silence_s > 0:
             raise ValueError(f"silence_s={silence_s} must be > 0 (seconds)")
         self.silence_s = silence_s
+        self.silent: frozenset[int] = frozenset()  # ranks (index now) reported as `RankSilent`
         self.ranks = list(ranks)
         self._slots = list(range(len(ranks)))  # index now -> the poller's slot (its index at start)
         self._next_seq, self._on_outputs, self._on_failure = next_seq, on_outputs, on_failure
@@ -196,6 +198,8 @@ class RankChannels:
             with self._lock:
                 index = self._slots.index(rank) if rank in self._slots else None
             if not self._closed and index is not None:
+                if isinstance(e, RankSilent):
+                    self.silent = self.silent | {index}
                 self._on_failure(client_reason(index, e), f"rank {index}: {type(e).__name__}: {e}", index)
         finally:
             with self._lock:

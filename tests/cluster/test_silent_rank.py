@@ -122,3 +122,20 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_silent_nodes_does_not_ask_the_ranks_already_found_silent(monkeypatch):
+    import cluster.lost_nodes as ln
+
+    asked = []
+
+    def unanswered(ranks, timeout_s):
+        asked.append(list(ranks))
+        return []  # every rank asked answers
+
+    monkeypatch.setattr(ln, "unanswered", unanswered)
+    monkeypatch.setattr(ln, "placement_group_table", lambda pg: {"bundles_to_node_id": {0: "A", 1: "B"}})
+    monkeypatch.setattr(ln.ray, "nodes", lambda: [{"NodeID": "A", "Alive": True}, {"NodeID": "B", "Alive": True}])
+    assert ln.silent_nodes(None, ["r0", "r1"], [0, 1], known=frozenset({1})) == {"B"}
+    assert asked == [["r0"]]  # rank 1 was not asked again: no wait for its deadline
+    assert ln.silent_nodes(None, ["r0", "r1"], [0, 1]) == set()  # both answer: nothing lost
