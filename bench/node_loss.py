@@ -71,13 +71,14 @@ def kill_node(root: int) -> None:
 
 
 def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 90.0,
-                    redundant_experts: bool = False) -> dict:
+                    redundant_experts: bool = False, max_tokens: int = 400, max_model_len: int = 512) -> dict:
     """In a driver connected (ray.init done) to a `TwoNodes` cluster whose node B is the process tree under pid
     `root`: the trial of the module docstring. Returns {fail_s, serving_s (nan: not serving within timeout_s),
     hung, errors, stopped (processes stopped), reasons (distinct client error texts), ranks_before / ranks_after
     (node IPs of the ranks before the loss / of the rebuilt group), recoveries}. redundant_experts: the elastic path (the survivor's own streams go on, only the
     lost rank's end; `errors` then counts the lost rank's streams that did not end with an error, `survived` the
-    survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop)."""
+    survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop).
+    max_tokens: each stream's length (long enough to be decoding when the node goes); max_model_len: the group's."""
     import ray
 
     from actors.engine.sampling import SamplingParams
@@ -85,12 +86,12 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
     from moeray.api import LLM
     from router_service.errors import EngineError
 
-    llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=512, kv_cache_bytes=8 << 20,
+    llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=max_model_len, kv_cache_bytes=8 << 20,
               redundant_experts=redundant_experts)
     try:
         router = llm.router
         ips = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=60)
-        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ss = [router.submit(f"Prompt {i}: the history of the river and the town", long) for i in range(streams)]
         for s in ss:
             s.get(timeout=60)  # every stream is decoding

@@ -18,6 +18,9 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 NODE_GROUP_STRATEGIES = ("STRICT_SPREAD", "SPREAD")
 # the CLI's --placement-timeout-s default: an interactive command on a fixed cluster fails fast
 CLI_PLACEMENT_TIMEOUT_S = 60.0
+# ClusterConfig.rank_silence_s's default: 4 missed heartbeats (one a second), then 4 s to answer a health call; the
+# router then declares a node lost without a reset after 8 s, before the 10 s collective timeout (pg_timeout_s)
+RANK_SILENCE_S = 4.0
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -58,8 +61,8 @@ class ClusterConfig:
     num_threads_per_rank: int = 0  # 0: the node's CPUs over the ranks on it (actors.rank.threads)
     pg_timeout_s: float = 10.0
     # seconds without a frame on a rank's channel before the router asks it `health`, with as long to answer
-    # (`router_service.rank_channels`): an idle rank on a node lost without a reset is found within 2x this
-    rank_silence_s: float = 5.0
+    # (`router_service.rank_channels`): a rank on a node lost without a reset is found within 2x this
+    rank_silence_s: float = RANK_SILENCE_S
     placement_strategy: str | None = None  # resolved in __post_init__: PACK, or STRICT_SPREAD with ranks_per_node
     ranks_per_node: int | None = None
     placement_timeout_s: float = 300.0

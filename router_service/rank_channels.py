@@ -23,11 +23,12 @@ import ray
 
 from actors.engine.messages import TokenOutput, decode_frame
 from actors.rank.output_channel import WAKE, encode_control, read_frame
+from cluster.config import RANK_SILENCE_S
 
 # seconds without any frame on a rank's channel (it sends a heartbeat every second, during steps too) before the
 # router asks the actor directly whether it is alive; it then has as long again to answer, else the rank counts
-# as lost (a node gone without a reset: nothing else would ever tell). `ClusterConfig.rank_silence_s` overrides it.
-CHANNEL_SILENCE_S = 5.0
+# as lost (a node gone without a reset: nothing else would ever tell). `ClusterConfig.rank_silence_s` sets it.
+CHANNEL_SILENCE_S = RANK_SILENCE_S
 CONNECT_TIMEOUT_S = 60.0  # a rank's channel: opened (a Ray call) and connected within this long
 
 
