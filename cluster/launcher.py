@@ -183,8 +183,8 @@ class EPCluster:
         prefix = f"moeray/elastic/{self.generation}"
         cfg = self.cfg
         done = ray.get([r.regroup.remote(i, W, addr, port, new.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
-                                         cfg.transport, timeout_s) for i, r in enumerate(survivors)],
-                       timeout=timeout_s + 5)
+                                         cfg.transport, timeout_s, interrupt=True) for i, r in enumerate(survivors)],
+                       timeout=timeout_s + 5)  # interrupt: a survivor waiting on the lost rank stops waiting
         self.ranks, self.placement = survivors, new
         del self.slots[dead]
         # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now

@@ -150,6 +150,15 @@ class TcpAllToAll:
             raise RuntimeError(f"TCP all_to_all: {type(e).__name__}: {e}") from e
         self.calls += 1
 
+    def interrupt(self) -> None:
+        """Any thread: shut every connection down, so a call blocked on a silent peer (a lost node, no reset)
+        raises at once instead of at `timeout_s` (elastic EP: the group is re-formed without it)."""
+        for s in self.socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Close every connection (the peers' next call raises); `fits` is False from then on."""
         self.closed = True

@@ -139,3 +139,45 @@ def test_silent_nodes_does_not_ask_the_ranks_already_found_silent(monkeypatch):
     assert ln.silent_nodes(None, ["r0", "r1"], [0, 1], known=frozenset({1})) == {"B"}
     assert asked == [["r0"]]  # rank 1 was not asked again: no wait for its deadline
     assert ln.silent_nodes(None, ["r0", "r1"], [0, 1]) == set()  # both answer: nothing lost
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout(tiny_model_dir):
+    """Redundant experts: the stopped rank's streams end with the retriable error, the survivor's complete, and they
+    wait for the router's silence bound, not for the 10 s collective timeout (the regroup order interrupts it)."""
+    from actors.engine.sampling import SamplingParams
+    from moeray.api import LLM
+
+    silence = 1.5
+    llm = LLM(model=tiny_model_dir("qwen2_moe"), ranks=2, kv_cache_bytes=4 << 20, max_num_seqs=8,
+              rank_silence_s=silence, redundant_experts=True, pg_timeout_s=10.0)
+    pid = None
+    try:
+        router = llm.router
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        ss = [router.submit(f"prompt {i} about the sea", long) for i in range(4)]
+        for s in ss:
+            assert s.get(timeout=60).finish_reason is None  # decoding
+        owner = [s.rank for s in ss]
+        assert set(owner) == {0, 1}, owner
+        pid = router.cluster.info[1]["pid"]
+        t_stop = time.perf_counter()
+        os.kill(pid, signal.SIGSTOP)
+        outs = [s.result(timeout=60) for s in ss]
+        stalls = []
+        for s, o, rank in zip(ss, outs, owner):
+            if rank == 1:
+                assert o.finish_reason == "error" and "retry" in o.error, o.error
+            else:
+                assert o.finish_reason == "length", o.error
+                after = [t for t in o.token_times if t > t_stop - s.t0]
+                stalls.append(after[0] - (t_stop - s.t0))
+        assert router.recoveries and router.recoveries[0].get("elastic"), router.recoveries
+        assert max(stalls) < 2 * silence + 4 < 10, stalls  # the router's bound, well before pg_timeout_s
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        llm.shutdown()
