@@ -143,8 +143,8 @@ def test_silent_nodes_does_not_ask_the_ranks_already_found_silent(monkeypatch):
 
 @pytest.mark.usefixtures("ray_session")
 def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout(tiny_model_dir):
-    """Redundant experts: the stopped rank's streams end with the retriable error, the survivor's complete, and they
-    wait for the router's silence bound, not for the 10 s collective timeout (the regroup order interrupts it)."""
+    """Redundant experts: the stopped rank's streams end with the retriable error, the survivor's complete with the
+    tokens of an undisturbed run, and they wait for the router's silence bound, not for the 10 s collective timeout (the regroup order interrupts it)."""
     from actors.engine.sampling import SamplingParams
     from moeray.api import LLM
 
@@ -155,7 +155,9 @@ def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout
     try:
         router = llm.router
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-        ss = [router.submit(f"prompt {i} about the sea", long) for i in range(4)]
+        prompts = [f"prompt {i} about the sea" for i in range(4)]
+        ref = [o.token_ids for o in router.generate(prompts, long)]  # undisturbed
+        ss = [router.submit(p, long) for p in prompts]
         for s in ss:
             assert s.get(timeout=60).finish_reason is None  # decoding
         owner = [s.rank for s in ss]
@@ -165,11 +167,11 @@ def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout
         os.kill(pid, signal.SIGSTOP)
         outs = [s.result(timeout=60) for s in ss]
         stalls = []
-        for s, o, rank in zip(ss, outs, owner):
+        for s, o, rank, want in zip(ss, outs, owner, ref):
             if rank == 1:
                 assert o.finish_reason == "error" and "retry" in o.error, o.error
-            else:
-                assert o.finish_reason == "length", o.error
+            else:  # every token, none lost or changed by the interrupted step's re-run
+                assert o.finish_reason == "length" and o.token_ids == want, o.error
                 after = [t for t in o.token_times if t > t_stop - s.t0]
                 stalls.append(after[0] - (t_stop - s.t0))
         assert router.recoveries and router.recoveries[0].get("elastic"), router.recoveries
