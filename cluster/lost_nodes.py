@@ -67,8 +67,12 @@ def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PR
     quiet = sorted(set(known) | {others[j] for j in unanswered([ranks[i] for i in others], timeout_s)})
     if not quiet:
         return set()
-    where = placement_group_table(pg).get("bundles_to_node_id", {})
-    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    try:
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception as e:  # noqa: BLE001 - a diagnosis never blocks the rebuild: Ray's own view then decides
+        log.warning("ranks %s gave no answer; their nodes are unknown (%s: %s)", quiet, type(e).__name__, e)
+        return set()
     nodes = lost_among([where.get(b) for b in bundles], quiet, alive)
     log.warning("ranks %s gave no answer within %.1f s: %s", quiet, timeout_s,
                 f"their nodes {sorted(n[:12] for n in nodes)} count as lost (the rebuilt group avoids them)"

@@ -183,3 +183,15 @@ def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout
             except ProcessLookupError:
                 pass
         llm.shutdown()
+
+
+def test_silent_nodes_never_blocks_the_rebuild_when_ray_cannot_say_where(monkeypatch):
+    import cluster.lost_nodes as ln
+
+    monkeypatch.setattr(ln, "unanswered", lambda ranks, timeout_s: [0])
+
+    def table(pg):
+        raise RuntimeError("GCS unreachable")
+
+    monkeypatch.setattr(ln, "placement_group_table", table)
+    assert ln.silent_nodes(None, ["r0", "r1"], [0, 1]) == set()
