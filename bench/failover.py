@@ -19,14 +19,22 @@ with those tokens; elastic_rejoin_s: seconds from the SIGKILL until a replacemen
 background, experts read while the survivors serve) has joined and the whole group serves; hung: requests of
 either case not finished within the trial's timeout.
 
+Node-loss case (`bench/node_loss.py`, after the others, on its own two-node cluster: `bench/two_nodes.py`'s head
+on 127.0.0.11 and node B on 127.0.0.12): 2 ranks with SPREAD, one per node, 4 long streams, then every process of
+node B is SIGSTOPped (a node lost without a TCP reset or FIN: power cut, partition). node_loss_serving_s: seconds
+from the stop to the first completed new request (the group rebuilt on node A, `cluster.lost_nodes`); its
+in-flight requests must end with a retriable error (else they count in `lost`), and unfinished ones in `hung`.
+Without --quick the case is run again under `--redundant-experts` and printed (the survivor's streams go on after
+the detection bound; not part of the RESULT line).
+
     python bench/failover.py            # 4 trials
     python bench/failover.py --quick    # 2 trials
 
 Last line: RESULT fail_s_max=<x> serve_s_max=<x> serve_s_mean=<x> rebuild_s_mean=<x> lost=<n>
 leaked_blocks=<n> survivor_stall_s=<x> survivor_lost=<n> elastic_rejoin_s=<x> node_loss_serving_s=<x> hung=<n>
 (`lost`: in-flight requests that did not end with an error, or a new request not served; -1 means not measured:
-node_loss_serving_s always (the two-node setup is `bench/two_nodes.py`'s, not run here), the elastic keys with
---no-elastic or --ranks 1).
+the elastic keys with --no-elastic or --ranks 1, node_loss_serving_s with --no-node-loss; nan: not serving again
+within the trial's timeout).
 """
 from __future__ import annotations
 
@@ -148,6 +156,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=4, help="in-flight generations when the rank is killed")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-elastic", action="store_true", help="skip the elastic (--redundant-experts) case")
+    ap.add_argument("--no-node-loss", action="store_true", help="skip the two-node case (node B SIGSTOPped)")
     args = ap.parse_args()
     trials = args.trials or (2 if args.quick else 4)
 
@@ -178,6 +187,21 @@ def main() -> None:
                   f"{el['rejoin_s']:.2f} s after the kill (switch-in {el['switch_s']:.3f} s)", flush=True)
     finally:
         ray.shutdown()
+    nl = None
+    if not args.no_node_loss:  # its own two-node cluster, after this process's Ray is down (one Ray at a time)
+        from bench.node_loss import run as node_loss
+
+        nl = node_loss(args.model)
+        if "error" in nl:
+            print(f"node loss: {nl['error']}\n{nl.get('stderr', '')}", flush=True)
+            nl = {"serving_s": float("nan"), "fail_s": float("nan"), "hung": 1, "errors": 1}
+        else:
+            print(f"node loss (node B SIGSTOPped, {nl['stopped']} processes): in-flight requests ended after "
+                  f"{nl['fail_s']:.2f} s ({nl['errors']} not with an error: {nl['reasons']}), serving again after "
+                  f"{nl['serving_s']:.2f} s on {nl['ranks_after']}, hung {nl['hung']}", flush=True)
+        if not args.quick and not args.no_elastic:  # the same under --redundant-experts (not part of RESULT)
+            ne = node_loss(args.model, redundant_experts=True)
+            print(f"node loss, elastic: {ne}", flush=True)
 
     print()
     print("| trial | killed rank | errors after (s) | serving after (s) | rebuild (s) | lost | leaked blocks |")
@@ -188,11 +212,14 @@ def main() -> None:
     fail = [r["fail_s"] for r in rows]
     serve = [r["serve_s"] for r in rows]
     rebuild = [r["rebuild_s"] for r in rows]
+    lost = sum(r["lost"] for r in rows) + (nl["errors"] + nl["hung"] + (nl["serving_s"] != nl["serving_s"]) if nl else 0)
+    hung = sum(r["hung"] for r in rows) + (el["hung"] if el else 0) + (nl["hung"] if nl else 0)
     print(f"RESULT fail_s_max={max(fail):.3f} serve_s_max={max(serve):.3f} serve_s_mean={statistics.mean(serve):.3f} "
-          f"rebuild_s_mean={statistics.mean(rebuild):.3f} lost={sum(r['lost'] for r in rows)} "
+          f"rebuild_s_mean={statistics.mean(rebuild):.3f} lost={lost} "
           f"leaked_blocks={sum(r['leaked'] for r in rows)} "
           f"survivor_stall_s={el['stall_s'] if el else -1:.3f} survivor_lost={el['lost'] if el else -1} "
-          f"elastic_rejoin_s={el['rejoin_s'] if el else -1:.3f} node_loss_serving_s=-1 hung={sum(r['hung'] for r in rows) + (el['hung'] if el else 0)}")
+          f"elastic_rejoin_s={el['rejoin_s'] if el else -1:.3f} "
+          f"node_loss_serving_s={nl['serving_s'] if nl else -1:.3f} hung={hung}")
 
 
 if __name__ == "__main__":

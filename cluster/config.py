@@ -18,6 +18,9 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 NODE_GROUP_STRATEGIES = ("STRICT_SPREAD", "SPREAD")
 # the CLI's --placement-timeout-s default: an interactive command on a fixed cluster fails fast
 CLI_PLACEMENT_TIMEOUT_S = 60.0
+# ClusterConfig.rank_silence_s's default: 4 missed heartbeats (one a second), then 4 s to answer a health call; the
+# router then declares a node lost without a reset after 8 s, before the 10 s collective timeout (pg_timeout_s)
+RANK_SILENCE_S = 4.0
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny-moe")
 
 
@@ -28,7 +31,9 @@ class ClusterConfig:
     ranks: world size of the EP group. num_cpus_per_rank: fractional CPU per rank bundle
     (default 0.5 so 2 ranks fit a 2-core machine next to the driver). num_gpus_per_rank: 1 on CUDA.
     kv_cache_bytes: KV budget per rank (bytes). num_threads_per_rank: compute threads of each rank (0: the CPUs of
-    its node over the ranks placed there, `actors.rank.threads`). pg_timeout_s: process-group timeout (<= 10 s).
+    its node over the ranks placed there, `actors.rank.threads`). pg_timeout_s: process-group timeout (<= 10 s): a
+    collective waits this long for a silent peer (a node lost without a reset), then the rank fails its step.
+    rank_silence_s: the router's bound on a rank's silence (see the field).
     placement_strategy: the rank placement group's Ray strategy, one of PLACEMENT_STRATEGIES (PACK: as few
     nodes as possible; SPREAD: across nodes, soft; STRICT_SPREAD: one rank per node; STRICT_PACK: one node).
     None (the default) resolves here to PACK, or to STRICT_SPREAD with ranks_per_node.
@@ -55,6 +60,9 @@ class ClusterConfig:
     num_gpus_per_rank: float = 0.0
     num_threads_per_rank: int = 0  # 0: the node's CPUs over the ranks on it (actors.rank.threads)
     pg_timeout_s: float = 10.0
+    # seconds without a frame on a rank's channel before the router asks it `health`, with as long to answer
+    # (`router_service.rank_channels`): a rank on a node lost without a reset is found within 2x this
+    rank_silence_s: float = RANK_SILENCE_S
     placement_strategy: str | None = None  # resolved in __post_init__: PACK, or STRICT_SPREAD with ranks_per_node
     ranks_per_node: int | None = None
     placement_timeout_s: float = 300.0
@@ -79,6 +87,8 @@ class ClusterConfig:
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
         check_placement_timeout(self.placement_timeout_s)
+        if not 0 < self.rank_silence_s < math.inf:
+            raise ValueError(f"rank_silence_s={self.rank_silence_s} must be > 0 and finite (seconds)")
         self.placement_strategy = resolve_placement(self.ranks, self.ranks_per_node, self.placement_strategy)
         if self.redundant_experts and self.ranks < 2:
             raise ValueError(f"redundant_experts needs ranks >= 2 (every expert on two ranks), got ranks={self.ranks}")

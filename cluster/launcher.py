@@ -13,6 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
+from cluster.lost_nodes import avoid_selector, silent_nodes
 from cluster.metrics import aggregate_stats
 from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, rank_bundles
 from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
@@ -40,8 +41,8 @@ class EPCluster:
         self.placement = (redundant_placement(mc.num_layers, mc.num_experts, cfg.ranks, dense_layers=self._dense)
                           if cfg.redundant_experts else contiguous_placement(mc.num_layers, mc.num_experts, cfg.ranks))
         self._initial_placement = self.placement  # what a whole-group rebuild (`restart`) starts from
-        bundles = rank_bundles(cfg.ranks, cfg.num_cpus_per_rank, cfg.num_gpus_per_rank, cfg.ranks_per_node)
-        self.pg = placement_group(bundles, strategy=cfg.placement_strategy)
+        self._avoid: set[str] = set()  # node ids a rebuild found silent (`cluster.lost_nodes`)
+        self.pg = self._placement_group()
         ready, _ = ray.wait([self.pg.ready()], timeout=cfg.placement_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
@@ -69,6 +70,13 @@ class EPCluster:
             log.warning("ranks %s run without the compiled CPU kernels (no C compiler, no AVX2/FMA, or "
                         "MOERAY_DISABLE_CPU_KERNELS=1): PyTorch paths, same results, about half the decode speed",
                         slow)
+
+    def _placement_group(self):
+        """The ranks' placement group (one bundle per rank or node group), kept off the nodes in `self._avoid`."""
+        cfg = self.cfg
+        bundles = rank_bundles(cfg.ranks, cfg.num_cpus_per_rank, cfg.num_gpus_per_rank, cfg.ranks_per_node)
+        return placement_group(bundles, strategy=cfg.placement_strategy,
+                               bundle_label_selector=avoid_selector(self._avoid, len(bundles)))
 
     def _spawn(self, timeout_s: float) -> None:
         """Start one RankWorker per rank (rank i in bundle `bundle_of(i, N)` of `self.pg`) under the current
@@ -113,20 +121,28 @@ class EPCluster:
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def restart(self, timeout_s: float = 60.0) -> float:
+    def restart(self, timeout_s: float = 60.0, silent: frozenset[int] = frozenset()) -> float:
         """Tear the whole EP group down and bring up a new one: every rank joins every all-to-all, so one
         dead rank leaves the others unable to step. Kills every rank actor (the survivors may be blocked in a
-        collective until the process-group timeout, so they are not asked), starts new actors in the same
-        placement-group bundles (the placement group is recreated if it is gone) with the current expert
-        placement, and joins them in a new process group. KV caches and in-flight sequences are lost: the
-        caller fails them first. Returns the seconds taken.
+        collective until the process-group timeout, so they are only asked `health`: a rank that gives no answer
+        within `lost_nodes.NODE_PROBE_S` sits on a lost node, and the placement group is then made anew without
+        that node, `cluster.lost_nodes`), starts new actors in the placement group's bundles with the initial
+        expert placement, and joins them in a new process group. KV caches and in-flight sequences are lost: the
+        caller fails them first. silent: ranks the caller already found silent (not asked again). Returns the
+        seconds taken.
 
         Raises:
             TimeoutError: the placement group or the new ranks are not ready within `timeout_s`.
             ray.exceptions.RayActorError: a new rank failed during setup.
         """
         t0 = time.perf_counter()
+        lost = silent_nodes(self.pg, self.ranks, [bundle_of(s, self.cfg.ranks_per_node) for s in self.slots],
+                            known=silent)
         self._kill_ranks()
+        if lost - self._avoid:  # Ray still counts them alive and keeps bundles there: a new group, off them
+            self._avoid |= lost
+            remove_placement_group(self.pg)
+            self.pg = self._placement_group()
         self.placement = self._initial_placement  # all cfg.ranks ranks again, even after a `shrink`
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -167,8 +183,8 @@ class EPCluster:
         prefix = f"moeray/elastic/{self.generation}"
         cfg = self.cfg
         done = ray.get([r.regroup.remote(i, W, addr, port, new.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
-                                         cfg.transport, timeout_s) for i, r in enumerate(survivors)],
-                       timeout=timeout_s + 5)
+                                         cfg.transport, timeout_s, interrupt=True) for i, r in enumerate(survivors)],
+                       timeout=timeout_s + 5)  # interrupt: a survivor waiting on the lost rank stops waiting
         self.ranks, self.placement = survivors, new
         del self.slots[dead]
         # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now

@@ -23,14 +23,25 @@ import ray
 
 from actors.engine.messages import TokenOutput, decode_frame
 from actors.rank.output_channel import WAKE, encode_control, read_frame
+from cluster.config import RANK_SILENCE_S
 
-# seconds without any frame on a rank's channel (it sends a heartbeat every second) before the router asks the
-# actor directly whether it is alive
-CHANNEL_SILENCE_S = 15.0
+# seconds without any frame on a rank's channel (it sends a heartbeat every second, during steps too) before the
+# router asks the actor directly whether it is alive; it then has as long again to answer, else the rank counts
+# as lost (a node gone without a reset: nothing else would ever tell). `ClusterConfig.rank_silence_s` sets it.
+CHANNEL_SILENCE_S = RANK_SILENCE_S
+CONNECT_TIMEOUT_S = 60.0  # a rank's channel: opened (a Ray call) and connected within this long
 
 
 class RankFailed(RuntimeError):
     """A rank's `failed` frame: its step loop raised (the message is the rank's own report)."""
+
+
+class RankSilent(TimeoutError):
+    """A rank's channel was silent and the rank did not answer a health call either: `silent_s` seconds in all."""
+
+    def __init__(self, silent_s: float):
+        super().__init__(f"no frame and no answer to a health call for {silent_s:.1f} s")
+        self.silent_s = silent_s
 
 
 def client_reason(rank: int, exc: BaseException) -> str:
@@ -42,8 +53,10 @@ def client_reason(rank: int, exc: BaseException) -> str:
         return f"rank {rank} failed during a step ({kind})"
     if isinstance(exc, (ConnectionError, EOFError)):
         return f"rank {rank} is unreachable (its channel closed: the process exited or its node is gone)"
+    if isinstance(exc, RankSilent):
+        return f"rank {rank} is unreachable (silent for {exc.silent_s:.0f} s: its node may be lost)"
     if isinstance(exc, (TimeoutError, socket.timeout)):
-        return f"rank {rank} is unreachable (no answer within {CHANNEL_SILENCE_S:.0f} s)"
+        return f"rank {rank} is unreachable (no answer within {CONNECT_TIMEOUT_S:.0f} s)"
     if type(exc).__module__.startswith("ray"):
         return f"rank {rank} is unreachable (its actor is gone)"
     return f"rank {rank} is unreachable ({type(exc).__name__})"
@@ -59,11 +72,19 @@ class RankChannels:
         on_failure: called once per failing rank with (reason, detail, rank): `reason` in moeray's words for
             clients (`client_reason`), `detail` with the exception's own text for the log, `rank` its index now
             (the router acts on the first report of a generation).
+        silence_s: seconds without a frame from a rank before it is asked `health`; it has as long again to
+            answer, else it is reported lost (`RankSilent`): a rank is declared lost at most 2 * silence_s
+            seconds after its last frame.
     `drop(rank)` takes a lost rank out (elastic EP): the others keep their connections and move down one index.
+    `silent`: the ranks reported silent (`RankSilent`), for the rebuild (`EPCluster.restart(silent=...)`).
     """
 
     def __init__(self, ranks: list, next_seq: Callable[[], int], on_outputs: Callable[[list[TokenOutput]], None],
-                 on_failure: Callable[[str, str, int], None]):
+                 on_failure: Callable[[str, str, int], None], silence_s: float = CHANNEL_SILENCE_S):
+        if not silence_s > 0:
+            raise ValueError(f"silence_s={silence_s} must be > 0 (seconds)")
+        self.silence_s = silence_s
+        self.silent: frozenset[int] = frozenset()  # ranks (index now) reported as `RankSilent`
         self.ranks = list(ranks)
         self._slots = list(range(len(ranks)))  # index now -> the poller's slot (its index at start)
         self._next_seq, self._on_outputs, self._on_failure = next_seq, on_outputs, on_failure
@@ -147,22 +168,25 @@ class RankChannels:
 
     def _poll(self, rank: int, actor) -> None:
         """Connect to rank `rank`'s channel and read it until `close`; a dead or failed rank is reported. Silence
-        (no frame, not even a heartbeat) for CHANNEL_SILENCE_S asks the actor itself whether it lives. `rank`: the
-        poller's slot (its index when it started)."""
+        (no frame, not even a heartbeat) for `silence_s` asks the actor itself whether it lives, with as long to
+        answer. `rank`: the poller's slot (its index when it started)."""
         conn = None
         try:
-            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=60)
-            conn = socket.create_connection((host, port), timeout=60)
+            host, port, token = ray.get(actor.open_output_channel.remote(), timeout=CONNECT_TIMEOUT_S)
+            conn = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.sendall(token.encode() + b"\n")
-            conn.settimeout(CHANNEL_SILENCE_S)
+            conn.settimeout(self.silence_s)
             with self._lock:
                 if self._closed:
                     return
                 self._conns[rank] = conn
 
-            def alive() -> None:  # silence: ask the actor (raises if it is gone or failed)
-                h = ray.get(actor.health.remote(), timeout=60)
+            def alive() -> None:  # silence: ask the actor (raises if it is gone, failed or silent too)
+                try:
+                    h = ray.get(actor.health.remote(), timeout=self.silence_s)
+                except ray.exceptions.GetTimeoutError:
+                    raise RankSilent(2 * self.silence_s) from None
                 if not h["ok"]:
                     raise RankFailed(h["error"] or "loop thread stopped")
 
@@ -175,6 +199,8 @@ class RankChannels:
             with self._lock:
                 index = self._slots.index(rank) if rank in self._slots else None
             if not self._closed and index is not None:
+                if isinstance(e, RankSilent):
+                    self.silent = self.silent | {index}
                 self._on_failure(client_reason(index, e), f"rank {index}: {type(e).__name__}: {e}", index)
         finally:
             with self._lock:

@@ -7,8 +7,8 @@ aborts and wakes go the other way on the same connections once every rank's is u
 A request's stream ends with exactly one output whose `finish_reason` is set.
 
 Rank failure. Every rank joins every all-to-all, so one dead or failed rank stalls the whole EP group. When
-any poller finds its rank dead (the actor is gone) or failed (its loop raised, e.g. a collective timed out
-after the process-group timeout of at most 10 s), the router (1) refuses new requests with a retriable
+any poller finds its rank dead (the actor is gone), failed (its loop raised: a collective timed out after
+pg_timeout_s) or silent (node lost without a reset: `RankSilent`), the router (1) refuses new requests: retriable
 `EngineError` (HTTP 503 / gRPC UNAVAILABLE), (2) ends every in-flight request at once with
 `finish_reason="error"` (retriable: 503 / UNAVAILABLE at the front doors), (3) kills every rank and starts a new
 EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up, and (4) serves again.
@@ -94,7 +94,8 @@ class Router:
         gen = self._gen
         self._ranks.reset(self.cluster.kv_blocks_per_rank)  # a new EP group: empty caches, nothing in flight
         self._channels = RankChannels(self.cluster.ranks, lambda: next(self._seq), self._dispatch,
-                                      lambda reason, detail, rank: self._on_rank_failure(gen, reason, detail, rank))
+                                      lambda reason, detail, rank: self._on_rank_failure(gen, reason, detail, rank),
+                                      silence_s=self.cfg.rank_silence_s)
 
     @property
     def submit_is_quick(self) -> bool:
@@ -240,7 +241,7 @@ class Router:
                         if self._closed:  # closed while it was being built
                             break
                 else:
-                    self.cluster.restart()
+                    self.cluster.restart(silent=self._channels.silent)  # the old generation's channels
                 break
             except (ValueError, PlacementTimeoutError) as e:  # no attempt can place it: say so, stop trying
                 if not first:

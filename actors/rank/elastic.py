@@ -8,7 +8,9 @@ leaves the old process group, joins a new one over the survivors (a new store pr
 survived, else one the new rank 0 hosts), switches its engine to the shrunk placement (same experts, same local
 rows: no weight moves, `RankEngine.regroup`) and re-runs the interrupted step (`actors.rank.lockstep`). No order
 within the wait (a bug rather than a lost peer, or the launcher gone): it fails as a non-elastic rank does.
-An idle survivor (no collective running) takes the order at its next round: the order wakes its loop.
+An idle survivor (no collective running) takes the order at its next round: the order wakes its loop. A peer lost
+without a reset (its node gone silent) raises nothing until the collective timeout; the router finds it first
+(`router_service.rank_channels`, 2 x rank_silence_s) and the order interrupts the waiting collective.
 """
 from __future__ import annotations
 
@@ -46,12 +48,15 @@ class ElasticRank:
 
     def regroup(self, rank: int, world_size: int, addr: str, port: int, placement: dict, prefix: str,
                 backend: str = "gloo", timeout_s: float = 10.0, transport: str = "auto",
-                wait_s: float = 60.0) -> dict:
+                wait_s: float = 60.0, interrupt: bool = False) -> dict:
         """Join the survivors' new EP group as `rank` of `world_size` (store at addr:port under `prefix`; the new rank
         0 must have called `open_regroup_store`), under `placement` (the shrunk one: this rank keeps its experts).
         Blocks until the step thread has switched. Returns {rank, world_size, pid, regroup_s (seconds the switch
         took on the step thread)}. Raises ValueError for a rank out of range or a non-elastic rank, TimeoutError
-        when not switched within wait_s, RuntimeError when the switch failed (the rank then fails its requests)."""
+        when not switched within wait_s, RuntimeError when the switch failed (the rank then fails its requests).
+        interrupt: a peer is lost (`EPCluster.shrink`): a step collective of the old group that waits on it gives
+        up now (`interrupt` of the step transport) rather than at the collective timeout; a gloo collective (a
+        message too large for that transport) still waits its timeout."""
         if not self.elastic:
             raise ValueError(f"rank {self.rank} is not elastic (no redundant experts): the group is rebuilt instead")
         if not 0 <= rank < world_size:
@@ -60,9 +65,12 @@ class ElasticRank:
                  transport)
         deadline = time.monotonic() + wait_s
         with self._cond:
+            old = self.shm  # the old group's: the step thread swaps it only after it has read the order
             self._regroup_done = None
             self._regroup_order = order
             self._cond.notify_all()
+            if interrupt and old is not None:
+                old.interrupt()
             while self._regroup_done is None:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._failed is not None:

@@ -4,7 +4,8 @@ Outputs reach the router over this stream, not one Ray call per token: a Ray `po
 and even a second thread woken per step to send, cost a sizeable share of a CPU rank's decode step (the GIL and
 the CPU are shared with the step thread); vLLM streams engine outputs over ZeroMQ for the same reason. The loop
 thread itself writes the frames after each step (`emit`, `tick`): a 4-byte big-endian length, then
-`encode_outputs` bytes; an empty frame is a heartbeat, sent when idle for `HEARTBEAT_S`. An accept thread only
+`encode_outputs` bytes; an empty frame is a heartbeat, sent after `HEARTBEAT_S` without a frame (idle, or
+stepping with no output of this rank's). An accept thread only
 authenticates the router (a per-channel random token, sent first, ASCII hex, newline-terminated) and hands the
 connection to the loop; one connection is served at a time (a new one replaces the old).
 
@@ -186,10 +187,13 @@ class OutputChannel:
                 self._outbox[:0] = outs
 
     def emit(self, outs: list[TokenOutput]) -> None:
-        """Loop thread: send the step's outputs on the channel (or keep them in the outbox until one is open)."""
+        """Loop thread: send the step's outputs on the channel (or keep them in the outbox until one is open); a
+        step with no output of this rank's sends a heartbeat when one is due, so a busy rank is never silent."""
         if self._conn is not None and self._new_conn is None and not self._outbox:
             if outs:
                 self._send(encode_outputs(outs), outs)
+            elif time.monotonic() - self._last_send >= HEARTBEAT_S:
+                self._send(b"", [])
             return
         if outs:
             with self._out_lock:

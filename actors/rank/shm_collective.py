@@ -174,6 +174,7 @@ class ShmAllToAll:
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
         self.closed = False
+        self.interrupted = False  # `interrupt`: the next liveness check raises
 
     @classmethod
     def setup(cls, store, rank: int, world: int, timeout_s: float, slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -287,6 +288,8 @@ class ShmAllToAll:
         self.wait_s += time.perf_counter() - t0
 
     def _check(self, s: int, waited: float) -> None:
+        if self.interrupted:
+            raise RuntimeError(f"shared-memory all_to_all: interrupted while waiting for rank {s} (regroup)")
         if waited > self.timeout_s:
             raise RuntimeError(f"shared-memory all_to_all: rank {s} did not arrive within {self.timeout_s} s")
         if not _alive(self.peer_pids[s]):
@@ -326,6 +329,11 @@ class ShmAllToAll:
                     next_check = waited + LIVENESS_S
                     self._check(s, waited)
         self.wait_s += time.perf_counter() - t0
+
+    def interrupt(self) -> None:
+        """Any thread: a call waiting for a peer raises within LIVENESS_S (elastic EP: the peer is lost, the group
+        is re-formed), and so does every later one that has to wait."""
+        self.interrupted = True
 
     def close(self) -> None:
         """Detach from the segment (the name is already unlinked after `setup`); `fits` is False from then on."""

@@ -138,13 +138,26 @@ class TcpAllToAll:
             dst[r * nb:(r + 1) * nb] = src[r * nb:(r + 1) * nb]
             t0 = time.perf_counter()
             for s, sock in self.socks.items():
-                _read_into(sock, dst[s * nb:(s + 1) * nb], s)
+                try:
+                    _read_into(sock, dst[s * nb:(s + 1) * nb], s)
+                except TimeoutError as e:  # no reset, no FIN: a hung process or a lost node
+                    raise RuntimeError(f"TCP all_to_all: rank {s} was silent for {self.timeout_s} s (hung, or its "
+                                       f"node is lost)") from e
             self.wait_s += time.perf_counter() - t0
         except TimeoutError as e:
             raise RuntimeError(f"TCP all_to_all: a peer was silent for {self.timeout_s} s") from e
         except OSError as e:
             raise RuntimeError(f"TCP all_to_all: {type(e).__name__}: {e}") from e
         self.calls += 1
+
+    def interrupt(self) -> None:
+        """Any thread: shut every connection down, so a call blocked on a silent peer (a lost node, no reset)
+        raises at once instead of at `timeout_s` (elastic EP: the group is re-formed without it)."""
+        for s in self.socks.values():
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         """Close every connection (the peers' next call raises); `fits` is False from then on."""

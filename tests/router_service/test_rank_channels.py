@@ -18,7 +18,7 @@ def test_client_reason_keeps_ray_internals_out():
         RayActorError(text): "rank 1 is unreachable (its actor is gone)",
         ConnectionError("output channel closed " + text): "rank 1 is unreachable (its channel closed: the process "
                                                           "exited or its node is gone)",
-        socket.timeout("timed out"): "rank 1 is unreachable (no answer within 15 s)",
+        socket.timeout("timed out"): "rank 1 is unreachable (no answer within 60 s)",
         RankFailed("rank 1: RuntimeError: shared-memory all_to_all: rank 0 (pid 4242) exited"):
             "rank 1 failed during a step (RuntimeError)",
         ValueError(text): "rank 1 is unreachable (ValueError)",

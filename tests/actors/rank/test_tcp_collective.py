@@ -95,7 +95,7 @@ def test_a_peer_that_closes_or_stays_silent_raises(mode):
 
     (msg, waited), _ = _run_ranks(2, rank_fn)
     if mode == "silent":
-        assert "silent for 1.0 s" in msg and 0.9 < waited < 10, (msg, waited)
+        assert "rank 1 was silent for 1.0 s" in msg and 0.9 < waited < 10, (msg, waited)
     else:  # the peer's end of stream, or a reset if the send raced the close
         assert "rank 1 closed its connection" in msg or "Connection" in msg or "Pipe" in msg, msg
         assert waited < 1.0, waited  # at once, not at the timeout

@@ -1,0 +1,80 @@
+"""Which nodes of a failed EP group are lost, before Ray says so, and a placement group that avoids them.
+
+A node that is lost without a reset (power cut, network partition) stays "alive" for Ray until its GCS health
+checks fail: `health_check_failure_threshold` checks, each `health_check_period_ms` apart with
+`health_check_timeout_ms` to answer (5, 3 s, 10 s by default: about a minute). Meanwhile Ray keeps the old
+placement group's bundles on that node, and a rebuilt group's rank started there never comes up. So a rebuild
+(`EPCluster.restart`) first asks every old rank a trivial call (`health`) with a short deadline, NODE_PROBE_S:
+an actor whose process is gone answers at once with an error (Ray knows: its raylet or its node reported it),
+a live one answers in milliseconds (the call runs on an actor thread of its own, beside a step thread that may
+be blocked in a collective), and one that gives no answer at all is hung or sits on a silent node. A node where
+no rank answers, while another node is alive, counts as lost (`lost_among`): the rebuilt placement group excludes
+it by Ray's node-id label (`avoid_selector`), so SPREAD packs the ranks onto the survivors at once; STRICT_SPREAD
+then waits for a replacement node (it cannot pack).
+
+A node counted lost by mistake (its ranks too overloaded to answer within NODE_PROBE_S) only costs the rebuilt
+placement group that node; a one-node cluster never excludes its only node.
+"""
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group_table
+
+log = logging.getLogger("moeray.cluster")
+
+# seconds an old rank has to answer `health` after its group failed before its node counts as lost
+NODE_PROBE_S = 2.0
+
+
+def unanswered(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[int]:
+    """Indices of the rank actors in `ranks` that gave no answer to `health` within `timeout_s` seconds (all
+    asked at once). An actor that answers, even with an error (dead, failed), is not in the list."""
+    refs = [r.health.remote() for r in ranks]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    return [i for i, ref in enumerate(refs) if ref not in done]
+
+
+def avoid_selector(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] | None:
+    """`placement_group(bundle_label_selector=...)` keeping every one of `n_bundles` bundles off `node_ids`
+    (None when there is nothing to avoid)."""
+    if not node_ids:
+        return None
+    sel = ",".join(sorted(node_ids))
+    return [{NODE_ID_LABEL_KEY: f"!in({sel})"} for _ in range(n_bundles)]
+
+
+def lost_among(node_of_rank: list[str | None], quiet: list[int], alive: set[str]) -> set[str]:
+    """The nodes that count as lost: every rank on them is in `quiet` (indices into `node_of_rank`, each rank's
+    node id or None if unknown), and some node in `alive` (Ray's alive nodes) stays outside them. One hung rank
+    beside a rank that answers on the same node is a rank failure, not a node loss; and a verdict that would leave
+    no node to place the group on is no verdict (on one node, a hung rank's node is the only one there is)."""
+    heard = {n for i, n in enumerate(node_of_rank) if i not in quiet and n}
+    lost = {node_of_rank[i] for i in quiet if node_of_rank[i]} - heard
+    return lost if alive - lost else set()
+
+
+def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PROBE_S,
+                 known: frozenset[int] = frozenset()) -> set[str]:
+    """The nodes that count as lost (`lost_among`) after asking `ranks` `health` (`unanswered`), by node id;
+    `bundles[i]` is rank i's bundle in `pg`. `known`: ranks already found silent (the router's `RankSilent`), not
+    asked again, so the answer comes as soon as the others have answered. Logs what it finds."""
+    others = [i for i in range(len(ranks)) if i not in known]
+    quiet = sorted(set(known) | {others[j] for j in unanswered([ranks[i] for i in others], timeout_s)})
+    if not quiet:
+        return set()
+    try:
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    except Exception as e:  # noqa: BLE001 - a diagnosis never blocks the rebuild: Ray's own view then decides
+        log.warning("ranks %s gave no answer; their nodes are unknown (%s: %s)", quiet, type(e).__name__, e)
+        return set()
+    nodes = lost_among([where.get(b) for b in bundles], quiet, alive)
+    log.warning("ranks %s gave no answer within %.1f s: %s", quiet, timeout_s,
+                f"their nodes {sorted(n[:12] for n in nodes)} count as lost (the rebuilt group avoids them)"
+                if nodes else "not a node loss (a rank on the same node answered, or no other node is alive)")
+    return nodes
