@@ -109,7 +109,8 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         sink_tokens: Ns full-precision leading tokens per sequence, >= 0.
         rope_theta, max_positions: RoPE base and table length (keys are rotated after dequantization).
         dtype: storage dtype of the full-precision staging rows. device: torch device.
-        backend: "torch" (paged_decode_attention_ref) or "triton" (paged_decode_attention_triton).
+        backend: "torch" (the compiled CPU kernel, else paged_decode_attention_ref) or "triton"
+            (paged_decode_attention_triton).
         page_bytes: bytes of one pool page over all layers (default `pool_page_bytes(profiles, S)`); must be a
             multiple of num_layers * 16 and hold one token of every profile.
         num_pages: pool pages (default: enough for num_blocks logical blocks at the widest width).
@@ -185,8 +186,8 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         self._committed: tuple[int, int] | None = None  # (outstanding pages, known blocks), see _budget_free_blocks
         if backend == "triton":
             from kernels.paged_attention_triton import paged_decode_attention_triton as attn
-        else:
-            from kernels.paged_attention import paged_decode_attention_ref as attn
+        else:  # the compiled CPU kernel where it runs (kernels/csrc/quant_decode_attention.c), else the reference
+            from kernels.cpu.quant_attention import quant_decode_attention_or_ref as attn
         self._decode_attention = attn
 
     # ------------------------------------------------------------------ sizes and accounting

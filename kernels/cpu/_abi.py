@@ -44,6 +44,15 @@ class PrefillAttentionArgs(ctypes.Structure):
                        "L g_lo, L g_hi, L part, L parts, F scale")
 
 
+class QuantDecodeArgs(ctypes.Structure):
+    """`moeray_quant_decode_args` (kernels/csrc/quant_decode_attention.c)."""
+    _fields_ = _fields("P q, P kc, P vc, P vs, P ko, P vo, L skc, L svc, L svs, L sko, L svo, "
+                       "P bt, L mb, P ctx, P cosr, P sinr, P sk, P sv, "
+                       "P slen, L ns, P tk, P tv, P tlen, L nt, P k_scale, P k_zero, P v_zero, P k_cb, P v_cb, P kw, "
+                       "L k_grid, L vbits, L Pk, L P, P k_oidx, P v_oidx, L Ok, L Ov, P out, L B, L Hq, L H, L D, "
+                       "L S, F scale")
+
+
 class ExpertFFNArgs(ctypes.Structure):
     """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
     _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L K, L E, L D, L I, P y, L sy")
@@ -106,6 +115,7 @@ SIGNATURES = {
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
+    "moeray_quant_decode_attention": (_ptr(QuantDecodeArgs), _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),

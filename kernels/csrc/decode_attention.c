@@ -215,6 +215,14 @@ static int decode_attention(const float *q, const float *kc, const float *vc, co
     return 0;
 }
 
+/* One query row q [H, Dh] over n contiguous post-RoPE keys / values k, v [n, Hkv, Dh] (the quantized cache's
+   dequantized rows, kernels/csrc/quant_decode_attention.c) -> out [H, Dh]; 0, or -1 without scratch. */
+long attend_rows(const float *q, const float *k, const float *v, long n, long H, long Hkv, long Dh, float scale,
+                 float *out) {
+    const long bt = 0, ctx = n, tok = 0;
+    return decode_attention(q, k, v, &bt, 1, &ctx, &tok, out, 1, H, Hkv, Dh, n > 0 ? n : 1, scale);
+}
+
 /* Entry point: decode_attention's arguments as one struct (kernels/cpu/_abi.py: DecodeAttentionArgs). */
 typedef struct {
     const float *q, *kc, *vc; const long *bt; long mb; const long *ctx, *tok; float *out;

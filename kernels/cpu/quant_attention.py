@@ -1,0 +1,116 @@
+"""Decode attention over the quantized paged KV cache on CPU (kernels/csrc/quant_decode_attention.c).
+
+The contract is `kernels.paged_attention.paged_decode_attention_ref`'s (sink, sealed quantized blocks, tail; keys
+dequantized then rotated at their position): this path dequantizes each sequence's tokens into fp32 rows in one
+compiled pass (codes unpacked, levels, scale and zero, outliers, RoPE) and attends with the full-precision decode
+kernel's loop, where the reference runs ~40 PyTorch ops per sequence and layer. Equal to the reference up to fp32
+rounding (tests/kernels/test_quant_attention.py). Returns None when it cannot run; the caller runs the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import _build
+from kernels.cpu._abi import QuantDecodeArgs
+from kernels.kv_pages import KVPages
+from kernels.kv_profile import KVQuantProfile
+from kernels.paged_attention import _validate, paged_decode_attention_ref
+
+_PROFILE_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its tables as the kernel reads them)
+
+
+def _tables(profile: KVQuantProfile) -> tuple:
+    """The profile's tensors as contiguous fp32 / int64 (made once per profile object, kept with it)."""
+    hit = _PROFILE_TABLES.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    H, D = profile.num_kv_heads, profile.head_dim
+    grid = profile.per_channel_keys
+    kw = (profile.k_bits.to(torch.int64) if grid else torch.full((H, D), profile.bits, dtype=torch.int64)).contiguous()
+    t = tuple(x.to(torch.float32).contiguous() for x in (profile.k_scale, profile.k_zero, profile.v_zero,
+                                                           profile.k_codebook, profile.v_codebook))
+    t += (kw, int(grid), profile.k_outlier_idx.to(torch.int64).contiguous(),
+          profile.v_outlier_idx.to(torch.int64).contiguous())
+    if len(_PROFILE_TABLES) >= 1024:
+        _PROFILE_TABLES.clear()
+    _PROFILE_TABLES[id(profile)] = (profile, t)
+    return t
+
+
+def _page_strides(pages: KVPages) -> list[int] | None:
+    """Each field's page stride (in its elements) when its inner dimensions are dense on the CPU; else None."""
+    out = []
+    for t in (pages.k_codes, pages.v_codes, pages.v_scale, pages.k_outliers, pages.v_outliers):
+        dense, s = True, 1
+        for n, st in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+            dense = dense and (n <= 1 or st == s)
+            s *= n
+        if t.device.type != "cpu" or not (dense or t.numel() == 0):
+            return None
+        out.append(t.stride(0))
+    return out
+
+
+def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           profile: KVQuantProfile, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
+                           sink_k=None, sink_v=None, sink_lens=None, tail_k=None, tail_v=None,
+                           tail_lens=None) -> torch.Tensor | None:
+    """`paged_decode_attention_ref` (same arguments, same result up to fp32 rounding) in one compiled call.
+
+    Returns:
+        [B, Hq, D] in q.dtype, or None when the kernel cannot run (no compiled kernels, tensors off the CPU, pages
+        whose fields do not share one page stride): the caller runs the reference.
+    Raises:
+        ValueError: as the reference (shapes; a position beyond the RoPE table). MemoryError: no scratch.
+    """
+    lib = _build.lib()
+    if lib is None or q.device.type != "cpu":
+        return None
+    b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin,
+                            sink_k, sink_v, sink_lens, tail_k, tail_v, tail_lens)
+    strides = _page_strides(pages)
+    if strides is None:
+        return None
+    ctx = context_lens.to(torch.int64).contiguous()
+    sk = sv = sl = tk = tv = tl = None
+    if sink_k is not None:
+        sk, sv = sink_k.float().contiguous(), sink_v.float().contiguous()
+        sl = (sink_lens.to(torch.int64) if sink_lens is not None
+              else torch.full((b,), sk.shape[1], dtype=torch.int64)).contiguous()
+    if tail_k is not None:
+        tk, tv, tl = tail_k.float().contiguous(), tail_v.float().contiguous(), tail_lens.to(torch.int64).contiguous()
+    last = ctx + (sl if sl is not None else 0)
+    if b and bool(((ctx > 0) & (last > cos.shape[0])).any()):
+        i = int(((ctx > 0) & (last > cos.shape[0])).nonzero()[0])
+        raise ValueError(f"sequence {i}: position {int(last[i]) - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
+    k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
+    qf = q.float().contiguous()
+    bt = block_tables.to(torch.int64).contiguous()
+    cf, sf = cos.float().contiguous(), sin.float().contiguous()
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    if b == 0:
+        return out.to(q.dtype)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+    rc = lib.moeray_quant_decode_attention(ctypes.byref(QuantDecodeArgs(
+        qf.data_ptr(), pages.k_codes.data_ptr(), pages.v_codes.data_ptr(), pages.v_scale.data_ptr(),
+        pages.k_outliers.data_ptr(), pages.v_outliers.data_ptr(), *strides, bt.data_ptr(), bt.shape[1], ctx.data_ptr(),
+        cf.data_ptr(), sf.data_ptr(), ptr(sk), ptr(sv), ptr(sl), 0 if sk is None else sk.shape[1], ptr(tk), ptr(tv),
+        ptr(tl), 0 if tk is None else tk.shape[1], k_scale.data_ptr(), k_zero.data_ptr(), v_zero.data_ptr(),
+        k_cb.data_ptr(), v_cb.data_ptr(), kw.data_ptr(), grid, profile.bits, pages.k_codes.shape[-1],
+        pages.v_codes.shape[-1], k_oidx.data_ptr(), v_oidx.data_ptr(), k_oidx.shape[1], v_oidx.shape[1],
+        out.data_ptr(), b, hq, h, d, pages.block_size, scale)))
+    if rc == -3:
+        return None
+    if rc:
+        raise MemoryError("quant_decode_attention: no scratch for the dequantized rows")
+    return out.to(q.dtype)
+
+
+def quant_decode_attention_or_ref(*args, **kwargs) -> torch.Tensor:
+    """`quant_decode_attention` where it runs, else `paged_decode_attention_ref` (same arguments and result)."""
+    out = quant_decode_attention(*args, **kwargs)
+    return out if out is not None else paged_decode_attention_ref(*args, **kwargs)

@@ -1,0 +1,85 @@
+"""The compiled decode attention over the quantized paged cache (`kernels.cpu.quant_attention`) against the
+PyTorch reference (`kernels.paged_attention.paged_decode_attention_ref`), on the cases of
+tests/kernels/test_paged_attention.py: fixed widths 2-4 bits, per-channel key widths up to 8 bits, outliers, sinks,
+tails, empty sequences, and the cache's own arena views."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import cpu_kernels_available
+from kernels.cpu.quant_attention import quant_decode_attention
+from kernels.paged_attention import paged_decode_attention_ref
+from tests.kernels.test_paged_attention import _case
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are not built")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_matches_reference_fixed_widths(bits):
+    args, kwargs, _, _ = _case(ctx_lens=[7, 13, 4, 0], sink_lens=[2, 1, 2, 0], tail_lens=[3, 0, 1, 2], bits=bits,
+                               n_outlier=2, n_outlier_v=1, seed=bits)
+    out = quant_decode_attention(*args, **kwargs)
+    assert out is not None
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget,n_outlier", [(76, 0), (96, 1)])
+def test_matches_reference_per_channel_key_widths(budget, n_outlier):
+    energy = (4.0 ** torch.linspace(0, 7, 32)).repeat(2, 1)  # uneven: some key channels get 5-8 bits
+    args, kwargs, _, _ = _case(ctx_lens=[7, 13, 4], sink_lens=[2, 1, 2], tail_lens=[3, 0, 1], bits=2,
+                               n_outlier=n_outlier, n_outlier_v=1, seed=11, k_channel_bits=budget, query_energy=energy)
+    assert args[4].per_channel_keys and int(args[4].k_bits.max()) > 3
+    out = quant_decode_attention(*args, **kwargs)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
+
+
+def test_matches_reference_without_sink_or_tail_and_empty_sequences():
+    args, kwargs, _, _ = _case(ctx_lens=[5, 0, 9], sink_lens=[0, 0, 0], hq=2, h=2, block_size=16, bits=3,
+                               n_outlier=0, seed=7)
+    out = quant_decode_attention(*args)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args), atol=2e-5, rtol=1e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # no tokens at all -> zero output
+
+
+def test_position_beyond_rope_table_raises_like_the_reference():
+    args, kwargs, _, _ = _case(ctx_lens=[7], sink_lens=[2], bits=3)
+    args = list(args)
+    args[5], args[6] = args[5][:5], args[6][:5]
+    with pytest.raises(ValueError, match="exceeds the RoPE table"):
+        quant_decode_attention(*args, **kwargs)
+
+
+def test_engine_decode_with_quantized_cache_runs_the_kernel(tmp_path, monkeypatch):
+    """Through the cache's arena views: a kv_bits=3 engine's greedy tokens equal those with the reference path."""
+    from actors.engine.config import EngineConfig
+    from actors.engine.engine import RankEngine
+    from actors.engine.messages import GenerateRequest
+    from actors.engine.sampling import SamplingParams
+    from actors.model.config import ModelConfig
+    from actors.moe.placement import ExpertPlacement
+    from cluster.config import DEFAULT_MODEL
+    from kernels.cpu import quant_attention
+
+    calls = []
+    real = quant_attention.quant_decode_attention
+    monkeypatch.setattr(quant_attention, "quant_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def greedy():
+        mc = ModelConfig.from_pretrained(DEFAULT_MODEL)
+        eng = RankEngine(EngineConfig(model=DEFAULT_MODEL, max_model_len=512, kv_bits=3, kv_cache_bytes=8 << 20),
+                         ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
+        p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True).to_dict()
+        for i in range(3):
+            eng.add_request(GenerateRequest(request_id=str(i), prompt_ids=list(range(10 + i, 90 + 7 * i)), params=p))
+        out = {str(i): [] for i in range(3)}
+        for _ in range(200):
+            for o in eng.step():
+                out[o.request_id] += o.token_ids
+            if all(len(v) == 24 for v in out.values()):
+                return out
+        raise AssertionError(out)
+    fast = greedy()
+    assert calls
+    monkeypatch.setattr(quant_attention, "quant_decode_attention", lambda *a, **k: None)  # the reference runs
+    assert greedy() == fast
