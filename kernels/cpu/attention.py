@@ -9,8 +9,8 @@ it): no gather, mask or padding. The scores of a head's whole context are comput
 sum), then an exact-max softmax (vectorized exp, every weight <= 1, as the reference's) and the weighted sum of
 V: no per-key rescaling or branch. A prefill is computed per KV head over a transposed copy of its keys, in tiles of
 8 (token, query head) vectors with a register-blocked score micro-kernel, then the same exact-max softmax and a
-blocked weighted sum of V (measured: ~5x PyTorch's SDPA on a 500-token prompt, BENCHMARKS.md). Each returns False
-when it cannot run; the caller then runs its PyTorch reference.
+blocked weighted sum of V (`bench/prefill_attention.py`: 2.97x the gather + SDPA path at 500 tokens, 1.76x at 2,000,
+one thread). Each returns False when it cannot run; the caller then runs its PyTorch reference.
 """
 from __future__ import annotations
 
