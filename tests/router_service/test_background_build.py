@@ -30,7 +30,7 @@ class HeldCluster:
         if HeldCluster.fail is not None:
             raise HeldCluster.fail
         HeldCluster.built += 1
-        self.cfg, self.ranks, self.generation = cfg, [], 1
+        self.cfg, self.ranks, self.generation, self.kv_blocks_per_rank = cfg, [], 1, 16
 
     def health(self):
         return [{"rank": 0, "ok": True, "error": None}]
