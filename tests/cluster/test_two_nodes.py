@@ -4,7 +4,9 @@ with the shared-memory transport turned off on node B (`MOERAY_SHM=0`). With SPR
 different nodes, talk TCP across the boundary (gloo, and the step's small collectives over the ranks' own
 sockets: `actors.rank.tcp_collective`), give the tokens of the 1-rank run, leave no shared-memory segment in either
 /dev/shm, and a rank killed on node B is rebuilt and serves the same tokens again. With `ranks_per_node=1`
-(one node group per node, STRICT_SPREAD) the two ranks again land on different nodes and give the same tokens.
+(one node group per node, STRICT_SPREAD) the two ranks again land on different nodes and give the same tokens; with
+four ranks and `ranks_per_node=2`, each node holds two, each computes on one thread (its node's CPUs over its
+ranks), and the tokens are again the 1-rank run's.
 Last, node B is lost without a reset (every process of it SIGSTOPped, `bench/node_loss.py`): the in-flight
 requests end with a retriable error, none hangs, and the group is rebuilt on node A and serves.
 
@@ -120,6 +122,18 @@ def drive(model: str) -> None:
         report["per_node_ips"] = ray.get([r.node_ip.remote() for r in grouped.cluster.ranks], timeout=60)
         report["per_node_tokens"] = [o.token_ids for o in grouped.generate(PROMPTS, params)]
     report["per_node_s"] = time.monotonic() - t0
+
+    def compute_threads(self):  # runs inside the rank actor: its compute threads (`actors.rank.threads`)
+        from kernels.cpu import parallel
+
+        return parallel.threads()
+    # two ranks on each node (--ranks-per-node 2): each node's CPUs shared by its ranks, TCP across the boundary
+    with LLM(model=model, ranks=4, ranks_per_node=2, max_model_len=128, kv_cache_bytes=4 << 20) as four:
+        report["four_ips"] = ray.get([r.node_ip.remote() for r in four.cluster.ranks], timeout=60)
+        report["four_threads"] = ray.get([r.__ray_call__.remote(compute_threads) for r in four.cluster.ranks],
+                                         timeout=60)
+        report["four_transports"] = [info["transport"] for info in four.cluster.info]
+        report["four_tokens"] = [o.token_ids for o in four.generate(PROMPTS, params)]
     # last: node B lost without a reset (every process of it SIGSTOPped), 2 ranks with SPREAD
     from bench.node_loss import NODE_B_PID_ENV, node_loss_trial
 
@@ -163,6 +177,11 @@ def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     assert left == {"a": [], "b": []}  # no segment left in either node's /dev/shm
     # --ranks-per-node 1 on two nodes: a rank on each, the same tokens
     assert sorted(rep["per_node_ips"]) == [HEAD_IP, NODE_B_IP] and rep["per_node_tokens"] == ref, rep
+    # 4 ranks, 2 per node: both nodes hold two, each rank computes on its node's 2 CPUs / 2 ranks = 1 thread, the
+    # group talks TCP (it spans nodes), and the tokens are the 1-rank run's
+    assert sorted(rep["four_ips"]) == [HEAD_IP, HEAD_IP, NODE_B_IP, NODE_B_IP], rep["four_ips"]
+    assert rep["four_threads"] == [1, 1, 1, 1] and set(rep["four_transports"]) == {"tcp+gloo"}, rep
+    assert rep["four_tokens"] == ref
     # node B lost without a reset: its requests end with the retriable error, none hangs, and the group serves again
     # on node A (SPREAD packs the rebuilt group there) within the bound of README "Several machines" (10 s + <= 2 s
     # + the group's start; the 20 s target is bench/failover.py's: slack here for a loaded machine)
