@@ -24,20 +24,21 @@ void moeray_pack_codes_var(const long *codes, long N, long H, long D, const long
         }
 }
 
+/* codes c[0, D) of one bitstream row in[0, pk) with widths w[0, D) (also the quantized decode attention's reader). */
+void unpack_code_row(const uint8_t *in, long pk, const long *w, long D, long *c) {
+    uint64_t acc = 0;
+    long nb = 0, i = 0;
+    for (long d = 0; d < D; d++) {
+        while (nb < w[d] && i < pk) { acc |= (uint64_t)in[i++] << nb; nb += 8; }
+        c[d] = (long)(acc & ((1u << w[d]) - 1));
+        acc >>= w[d];
+        nb -= w[d];
+    }
+}
+
 /* codes[n, h, :D] (int64) from packed[n, h, :pk] and widths w[h, :D]. */
 void moeray_unpack_codes_var(const uint8_t *packed, long N, long H, long D, const long *w, long pk, long *codes) {
     for (long n = 0; n < N; n++)
-        for (long h = 0; h < H; h++) {
-            const uint8_t *in = packed + (n * H + h) * pk;
-            const long *wh = w + h * D;
-            long *c = codes + (n * H + h) * D;
-            uint64_t acc = 0;
-            long nb = 0, i = 0;
-            for (long d = 0; d < D; d++) {
-                while (nb < wh[d] && i < pk) { acc |= (uint64_t)in[i++] << nb; nb += 8; }
-                c[d] = (long)(acc & ((1u << wh[d]) - 1));
-                acc >>= wh[d];
-                nb -= wh[d];
-            }
-        }
+        for (long h = 0; h < H; h++)
+            unpack_code_row(packed + (n * H + h) * pk, pk, w + h * D, D, codes + (n * H + h) * D);
 }

@@ -14,7 +14,8 @@
 #include "gemm.h"
 
 long attend_rows(const float *q, const float *k, const float *v, long n, long H, long Hkv, long Dh, float scale,
-                 float *out);
+                 float *out);                                                      /* decode_attention.c */
+void unpack_code_row(const uint8_t *in, long pk, const long *w, long D, long *c);  /* kv_bits.c */
 
 /* Entry point's arguments (kernels/cpu/_abi.py: QuantDecodeArgs).  Page fields: pointers to page 0 and each
    field's page stride in its own elements (inner dimensions dense): k_codes [NB, H, S, Pk], v_codes [NB, H, S, P]
@@ -29,18 +30,6 @@ typedef struct {
     const long *k_oidx, *v_oidx; long Ok, Ov; float *out; long B, Hq, H, D, S; float scale;
 } moeray_quant_decode_args;
 
-/* codes c[0, D) of one bitstream row (LSB first, channel d at bit offset sum(w[:d])). */
-static void unpack_row(const uint8_t *in, long pk, const long *w, long D, long *c) {
-    uint64_t acc = 0;
-    long nb = 0, i = 0;
-    for (long d = 0; d < D; d++) {
-        while (nb < w[d] && i < pk) { acc |= (uint64_t)in[i++] << nb; nb += 8; }
-        c[d] = (long)(acc & ((1u << w[d]) - 1));
-        acc >>= w[d];
-        nb -= w[d];
-    }
-}
-
 static void dequant_token(const moeray_quant_decode_args *a, long page, long slot, long pos, float *krow,
                           float *vrow, long *code, long *vw) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2;
@@ -50,7 +39,7 @@ static void dequant_token(const moeray_quant_decode_args *a, long page, long slo
     for (long h = 0; h < H; h++) {
         const long *w = a->kw + h * D;
         float x[1024];
-        unpack_row(kc + (h * S + slot) * a->Pk, a->Pk, w, D, code);
+        unpack_code_row(kc + (h * S + slot) * a->Pk, a->Pk, w, D, code);
         for (long d = 0; d < D; d++) {
             const float level = a->k_grid ? (float)code[d] * (2.0f / (float)((1L << w[d]) - 1)) - 1.0f : a->k_cb[code[d]];
             x[d] = level * a->k_scale[h * D + d] + a->k_zero[h * D + d];
@@ -58,7 +47,7 @@ static void dequant_token(const moeray_quant_decode_args *a, long page, long slo
         for (long o = 0; o < a->Ok; o++) x[a->k_oidx[h * a->Ok + o]] = half_to_float(ko[(slot * H + h) * a->Ok + o]);
         float *kr = krow + h * D;
         for (long d = 0; d < D; d++) kr[d] = x[d] * cs[d] + (d < half ? -x[d + half] : x[d - half]) * sn[d];
-        unpack_row(vc + (h * S + slot) * a->P, a->P, vw, D, code);
+        unpack_code_row(vc + (h * S + slot) * a->P, a->P, vw, D, code);
         const float scale = half_to_float(vs[slot * H + h]);
         float *vr = vrow + h * D;
         for (long d = 0; d < D; d++) vr[d] = a->v_cb[code[d]] * scale + a->v_zero[h * D + d];

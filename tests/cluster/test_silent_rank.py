@@ -108,12 +108,17 @@ def test_a_stopped_rank_is_declared_lost_and_the_group_rebuilt(tiny_model_dir):
             time.sleep(0.2)
         assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", f"stopped rank {pid} left running"
     finally:
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        llm.shutdown()
+        _resume_and_shut_down(pid, llm)
+
+
+def _resume_and_shut_down(pid: int | None, llm) -> None:
+    """SIGCONT the stopped rank (if it still exists), then shut the cluster down."""
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    llm.shutdown()
 
 
 def _state(pid: int) -> str:
@@ -177,12 +182,7 @@ def test_elastic_survivors_of_a_stopped_rank_go_on_before_the_collective_timeout
         assert router.recoveries and router.recoveries[0].get("elastic"), router.recoveries
         assert max(stalls) < 2 * silence + 4 < 10, stalls  # the router's bound, well before pg_timeout_s
     finally:
-        if pid is not None:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        llm.shutdown()
+        _resume_and_shut_down(pid, llm)
 
 
 def test_silent_nodes_never_blocks_the_rebuild_when_ray_cannot_say_where(monkeypatch):
