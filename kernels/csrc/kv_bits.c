@@ -24,8 +24,8 @@ void moeray_pack_codes_var(const long *codes, long N, long H, long D, const long
         }
 }
 
-/* codes c[0, D) of one bitstream row in[0, pk) with widths w[0, D) (also the quantized decode attention's reader). */
-void unpack_code_row(const uint8_t *in, long pk, const long *w, long D, long *c) {
+/* codes c[0, D) of one bitstream row in[0, pk) with widths w[0, D). */
+static void unpack_code_row(const uint8_t *in, long pk, const long *w, long D, long *c) {
     uint64_t acc = 0;
     long nb = 0, i = 0;
     for (long d = 0; d < D; d++) {

@@ -7,15 +7,14 @@
    (the per-channel uniform grid, or the key codebook), times k_scale plus k_zero, the outlier channels restored
    from fp16, then rotated by RoPE at their position (keys are stored before RoPE); values: v_codebook[code] times
    the token's fp16 scale plus v_zero, outliers restored.  Then attend_rows (decode_attention.c) attends the query
-   over the rows.  The scratch (2 T H D floats) is reused across the call's sequences. */
+   over the rows.  The scratch (2 T H D floats) is kept per thread, across calls. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include "gemm.h"
 
 long attend_rows(const float *q, const float *k, const float *v, long n, long H, long Hkv, long Dh, float scale,
-                 float *out);                                                      /* decode_attention.c */
-void unpack_code_row(const uint8_t *in, long pk, const long *w, long D, long *c);  /* kv_bits.c */
+                 float *out);  /* decode_attention.c */
 
 /* Entry point's arguments (kernels/cpu/_abi.py: QuantDecodeArgs).  Page fields: pointers to page 0 and each
    field's page stride in its own elements (inner dimensions dense): k_codes [NB, H, S, Pk], v_codes [NB, H, S, P]
@@ -30,27 +29,41 @@ typedef struct {
     const long *k_oidx, *v_oidx; long Ok, Ov; float *out; long B, Hq, H, D, S; float scale;
 } moeray_quant_decode_args;
 
-static void dequant_token(const moeray_quant_decode_args *a, long page, long slot, long pos, float *krow,
-                          float *vrow, long *code, long *vw) {
+/* Where channel d's code of a packed row sits: byte `at`, bit `sh` (LSB first), `w` bits (< 2 bytes, since w <= 8). */
+struct code_at { int32_t at, sh, w; };
+
+static inline long code_of(const uint8_t *row, struct code_at c) {
+    unsigned v = row[c.at];
+    if (c.sh + c.w > 8) v |= (unsigned)row[c.at + 1] << 8;  /* the code's bits end inside the row: in bounds */
+    return (long)((v >> c.sh) & ((1u << c.w) - 1));
+}
+
+/* kfac[h * D + d]: the grid step 2 / (2^w - 1) of each key channel (the reference's fp32 division, done once);
+   kat / vat: each key / value channel's place in its row. */
+static void dequant_token(const moeray_quant_decode_args *a, const float *kfac, const struct code_at *kat,
+                          const struct code_at *vat, long page, long slot, long pos, float *krow, float *vrow,
+                          long *code) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2;
     const uint8_t *kc = a->kc + page * a->skc, *vc = a->vc + page * a->svc;
     const uint16_t *vs = a->vs + page * a->svs, *ko = a->ko + page * a->sko, *vo = a->vo + page * a->svo;
     const float *cs = a->cosr + pos * D, *sn = a->sinr + pos * D;
     for (long h = 0; h < H; h++) {
-        const long *w = a->kw + h * D;
+        const float *ks = a->k_scale + h * D, *kz = a->k_zero + h * D, *kf = kfac + h * D, *vz = a->v_zero + h * D;
         float x[1024];
-        unpack_code_row(kc + (h * S + slot) * a->Pk, a->Pk, w, D, code);
-        for (long d = 0; d < D; d++) {
-            const float level = a->k_grid ? (float)code[d] * (2.0f / (float)((1L << w[d]) - 1)) - 1.0f : a->k_cb[code[d]];
-            x[d] = level * a->k_scale[h * D + d] + a->k_zero[h * D + d];
-        }
+        const uint8_t *krw = kc + (h * S + slot) * a->Pk, *vrw = vc + (h * S + slot) * a->P;
+        for (long d = 0; d < D; d++) code[d] = code_of(krw, kat[h * D + d]);
+        if (a->k_grid)
+            for (long d = 0; d < D; d++) x[d] = ((float)code[d] * kf[d] - 1.0f) * ks[d] + kz[d];
+        else
+            for (long d = 0; d < D; d++) x[d] = a->k_cb[code[d]] * ks[d] + kz[d];
         for (long o = 0; o < a->Ok; o++) x[a->k_oidx[h * a->Ok + o]] = half_to_float(ko[(slot * H + h) * a->Ok + o]);
-        float *kr = krow + h * D;
-        for (long d = 0; d < D; d++) kr[d] = x[d] * cs[d] + (d < half ? -x[d + half] : x[d - half]) * sn[d];
-        unpack_code_row(vc + (h * S + slot) * a->P, a->P, vw, D, code);
+        float *kr = krow + h * D;  /* rotate-half RoPE: two loops, no branch per element */
+        for (long d = 0; d < half; d++) kr[d] = x[d] * cs[d] - x[d + half] * sn[d];
+        for (long d = half; d < D; d++) kr[d] = x[d] * cs[d] + x[d - half] * sn[d];
+        for (long d = 0; d < D; d++) code[d] = code_of(vrw, vat[d]);
         const float scale = half_to_float(vs[slot * H + h]);
         float *vr = vrow + h * D;
-        for (long d = 0; d < D; d++) vr[d] = a->v_cb[code[d]] * scale + a->v_zero[h * D + d];
+        for (long d = 0; d < D; d++) vr[d] = a->v_cb[code[d]] * scale + vz[d];
         for (long o = 0; o < a->Ov; o++) vr[a->v_oidx[h * a->Ov + o]] = half_to_float(vo[(slot * H + h) * a->Ov + o]);
     }
 }
@@ -64,12 +77,29 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
         const long t = (a->sk ? a->slen[b] : 0) + a->ctx[b] + (a->tk ? a->tlen[b] : 0);
         if (t > tmax) tmax = t;
     }
-    float *K = (float *)malloc((size_t)(2 * tmax * row) * sizeof(float));
-    long *code = (long *)malloc((size_t)(2 * D) * sizeof(long));
-    if (!K || !code) { free(K); free(code); return -1; }
-    float *V = K + tmax * row;
-    long *vw = code + D;
-    for (long d = 0; d < D; d++) vw[d] = a->vbits;
+    /* the rows' scratch is kept per thread and only grows: a fresh 1 MB block per call (context 1,000) cost its
+       page faults on every layer of every step */
+    static __thread float *scratch = NULL;
+    static __thread size_t cap = 0;
+    const size_t need = (size_t)(2 * tmax * row + row);
+    if (need > cap) {
+        free(scratch);
+        scratch = (float *)malloc(need * sizeof(float));
+        cap = scratch ? need : 0;
+    }
+    float *K = scratch;
+    long *code = (long *)malloc((size_t)D * sizeof(long));
+    struct code_at *kat = (struct code_at *)malloc((size_t)(row + D) * sizeof(struct code_at));
+    if (!K || !code || !kat) { free(code); free(kat); return -1; }
+    float *V = K + tmax * row, *kfac = V + tmax * row;
+    struct code_at *vat = kat + row;
+    for (long h = 0; h < H; h++)
+        for (long d = 0, off = 0; d < D; off += a->kw[h * D + d], d++) {
+            kat[h * D + d] = (struct code_at){(int32_t)(off / 8), (int32_t)(off % 8), (int32_t)a->kw[h * D + d]};
+            kfac[h * D + d] = 2.0f / (float)((1L << a->kw[h * D + d]) - 1);
+        }
+    for (long d = 0; d < D; d++)
+        vat[d] = (struct code_at){(int32_t)(d * a->vbits / 8), (int32_t)(d * a->vbits % 8), (int32_t)a->vbits};
     long rc = 0;
     for (long b = 0; b < a->B && rc == 0; b++) {
         long t = 0;
@@ -80,7 +110,8 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
             t = n_sink;
         }
         for (long i = 0; i < a->ctx[b]; i++, t++)
-            dequant_token(a, a->bt[b * a->mb + i / a->S], i % a->S, n_sink + i, K + t * row, V + t * row, code, vw);
+            dequant_token(a, kfac, kat, vat, a->bt[b * a->mb + i / a->S], i % a->S, n_sink + i, K + t * row, V + t * row,
+                          code);
         const long n_tail = a->tk ? a->tlen[b] : 0;
         if (n_tail) {
             memcpy(K + t * row, a->tk + b * a->nt * row, (size_t)(n_tail * row) * sizeof(float));
@@ -91,6 +122,6 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
         if (t == 0) memset(o, 0, (size_t)(a->Hq * D) * sizeof(float));
         else rc = attend_rows(a->q + b * a->Hq * D, K, V, t, a->Hq, H, D, a->scale, o);
     }
-    free(K); free(code);
+    free(code); free(kat);
     return rc;
 }
