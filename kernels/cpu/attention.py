@@ -114,7 +114,7 @@ def _run(q_nHD, kc, vc, block_table, kf, vf, hi, lo, ctx, scale, out_nHD) -> boo
         return False
     n, H, Dh = q_nHD.shape
     _, S, Hkv, _ = kc.shape
-    if n == 0 or not 0 < n <= ctx:
+    if n == 0 or not 0 < n <= ctx or H % Hkv or kc.shape[-1] != Dh:
         return n == 0
     bt = block_table.to(torch.int64).contiguous()
     P = parallel.threads() if n >= tuning.PARALLEL_ROWS else 1
