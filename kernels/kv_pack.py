@@ -57,13 +57,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """
     d = codes.shape[-1]
     p = packed_bytes(d, bits)
-    lib = _cpu_lib(codes)
-    if lib is not None:  # the compiled pass: the per-channel one with every width = bits is this layout
-        c = codes.to(torch.int64).contiguous()
-        out = torch.empty(*codes.shape[:-1], p, dtype=torch.uint8)
-        lib.moeray_pack_codes_var(c.data_ptr(), c.numel() // max(d, 1), 1, d, _uniform(d, bits).data_ptr(), p,
-                                  out.data_ptr())
-        return out
+    fast = _compiled_pack(codes.reshape(-1, 1, d), _uniform(d, bits), p)  # every width = bits: this layout
+    if fast is not None:
+        return fast.view(*codes.shape[:-1], p)
     c = codes.to(torch.int32)
     shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
     stream = ((c.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], p, 8)  # [..., P, 8] bits
@@ -86,13 +82,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
     p = packed_bytes(head_dim, bits)
     if packed.shape[-1] != p:
         raise ValueError(f"packed.shape[-1]={packed.shape[-1]} != head_dim*bits/8={p}")
-    lib = _cpu_lib(packed)
-    if lib is not None and packed.dtype == torch.uint8:
-        pk = packed.contiguous()
-        out = torch.empty(*packed.shape[:-1], head_dim, dtype=torch.int64)
-        lib.moeray_unpack_codes_var(pk.data_ptr(), pk.numel() // p, 1, head_dim, _uniform(head_dim, bits).data_ptr(), p,
-                                    out.data_ptr())
-        return out
+    fast = _compiled_unpack(packed.reshape(-1, 1, p), _uniform(head_dim, bits))
+    if fast is not None:
+        return fast.view(*packed.shape[:-1], head_dim)
     weights = torch.arange(8, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> weights) & 1).reshape(*packed.shape[:-1], head_dim, bits)
     shifts = torch.arange(bits, device=packed.device, dtype=torch.int32)
@@ -131,6 +123,30 @@ def _cpu_lib(t: torch.Tensor):
     return _build.lib()
 
 
+def _compiled_pack(codes_NHD: torch.Tensor, widths_HD: torch.Tensor, pk: int) -> torch.Tensor | None:
+    """[N, H, pk] uint8 by kernels/csrc/kv_bits.c (bit-identical to the PyTorch ops), or None where it cannot run."""
+    lib = _cpu_lib(codes_NHD)
+    if lib is None:
+        return None
+    n, h, d = codes_NHD.shape
+    c, w = codes_NHD.to(torch.int64).contiguous(), widths_HD.to(torch.int64).contiguous()
+    out = torch.empty(n, h, pk, dtype=torch.uint8)
+    lib.moeray_pack_codes_var(c.data_ptr(), n, h, d, w.data_ptr(), pk, out.data_ptr())
+    return out
+
+
+def _compiled_unpack(packed_NHP: torch.Tensor, widths_HD: torch.Tensor) -> torch.Tensor | None:
+    """[N, H, D] int64 codes by kernels/csrc/kv_bits.c, or None where it cannot run."""
+    lib = _cpu_lib(packed_NHP)
+    if lib is None or packed_NHP.dtype != torch.uint8:
+        return None
+    n, h, pk = packed_NHP.shape
+    p, w = packed_NHP.contiguous(), widths_HD.to(torch.int64).contiguous()
+    out = torch.empty(n, h, w.shape[1], dtype=torch.int64)
+    lib.moeray_unpack_codes_var(p.data_ptr(), n, h, w.shape[1], w.data_ptr(), pk, out.data_ptr())
+    return out
+
+
 def _bit_mask(widths_HD: torch.Tensor) -> torch.Tensor:
     """[H, D, 8] bool: bit j of channel d's code is stored (j < width)."""
     j = torch.arange(MAX_CHANNEL_BITS, device=widths_HD.device)
@@ -153,12 +169,9 @@ def pack_codes_var(codes: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     n, h, d = codes.shape
     if widths.shape != (h, d):
         raise ValueError(f"codes.shape={tuple(codes.shape)} does not match widths.shape={tuple(widths.shape)}")
-    lib = _cpu_lib(codes)
-    if lib is not None:  # the compiled pass (kernels/csrc/kv_bits.c), bit-identical to the ops below
-        c, w = codes.to(torch.int64).contiguous(), widths.to(torch.int64).contiguous()
-        out = torch.empty(n, h, pk, dtype=torch.uint8)
-        lib.moeray_pack_codes_var(c.data_ptr(), n, h, d, w.data_ptr(), pk, out.data_ptr())
-        return out
+    fast = _compiled_pack(codes, widths, pk)
+    if fast is not None:
+        return fast
     shifts = torch.arange(MAX_CHANNEL_BITS, device=codes.device, dtype=torch.int32)
     bits = (codes.to(torch.int32).unsqueeze(-1) >> shifts) & 1  # [N, H, D, 8]
     stream = bits[:, _bit_mask(widths)].reshape(n, h, total)
@@ -175,12 +188,9 @@ def unpack_codes_var(packed: torch.Tensor, widths: torch.Tensor) -> torch.Tensor
     n, h = packed.shape[:2]
     if packed.dim() != 3 or packed.shape[2] != pk or widths.shape[0] != h:
         raise ValueError(f"packed.shape={tuple(packed.shape)} must be [N, H={widths.shape[0]}, Pk={pk}]")
-    lib = _cpu_lib(packed)
-    if lib is not None and packed.dtype == torch.uint8:
-        p, w = packed.contiguous(), widths.to(torch.int64).contiguous()
-        out = torch.empty(n, h, w.shape[1], dtype=torch.int64)
-        lib.moeray_unpack_codes_var(p.data_ptr(), n, h, w.shape[1], w.data_ptr(), pk, out.data_ptr())
-        return out
+    fast = _compiled_unpack(packed, widths)
+    if fast is not None:
+        return fast
     shifts = torch.arange(MAX_CHANNEL_BITS, device=packed.device, dtype=torch.int32)
     stream = ((packed.to(torch.int32).unsqueeze(-1) >> shifts) & 1).reshape(n, h, pk * 8)[..., :total]
     mask = _bit_mask(widths)

@@ -60,8 +60,8 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
     """`paged_decode_attention_ref` (same arguments, same result up to fp32 rounding) in one compiled call.
 
     Returns:
-        [B, Hq, D] in q.dtype, or None when the kernel cannot run (no compiled kernels, tensors off the CPU, pages
-        whose fields do not share one page stride): the caller runs the reference.
+        [B, Hq, D] in q.dtype, or None when the kernel cannot run (no compiled kernels, tensors off the CPU, page
+        fields whose inner dimensions are not dense, a head_dim over 1,024): the caller runs the reference.
     Raises:
         ValueError: as the reference (shapes; a position beyond the RoPE table). MemoryError: no scratch.
     """
