@@ -13,7 +13,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
-from cluster.lost_nodes import avoid_selector, silent_nodes
+from cluster.lost_nodes import ask_health, avoid_selector, silent_nodes
 from cluster.metrics import aggregate_stats
 from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, rank_bundles
 from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
@@ -327,13 +327,8 @@ class EPCluster:
         return out
 
     def health(self) -> list[dict]:
-        out = []
-        for i, r in enumerate(self.ranks):
-            try:
-                out.append(ray.get(r.health.remote(), timeout=5))
-            except Exception as e:  # noqa: BLE001
-                out.append({"rank": i, "ok": False, "error": f"{type(e).__name__}: {e}"})
-        return out
+        """Each rank's health, all asked at once within `lost_nodes.NODE_PROBE_S` (`ask_health`)."""
+        return ask_health(self.ranks)
 
     def shutdown(self, seq: int) -> None:
         try:

@@ -39,6 +39,25 @@ def unanswered(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[int]:
     return [i for i, ref in enumerate(refs) if ref not in done]
 
 
+def ask_health(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[dict]:
+    """Every rank actor's `health` answer, asked at once with one deadline of `timeout_s` seconds (so a health
+    probe takes at most that long however many ranks are silent). A rank without an answer by then gets
+    `{rank, ok: False, error}` saying so (busy, hung, or on a lost node); one whose call failed, the error."""
+    refs = [r.health.remote() for r in ranks]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    out = []
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            out.append({"rank": i, "ok": False, "error": f"rank {i} gave no answer within {timeout_s:g} s "
+                        "(busy, hung, or its node lost)"})
+            continue
+        try:
+            out.append(ray.get(ref))
+        except Exception as e:  # noqa: BLE001 - a failed rank is an answer: not ok
+            out.append({"rank": i, "ok": False, "error": f"{type(e).__name__}: {e}"})
+    return out
+
+
 def avoid_selector(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] | None:
     """`placement_group(bundle_label_selector=...)` keeping every one of `n_bundles` bundles off `node_ids`
     (None when there is nothing to avoid)."""
