@@ -131,9 +131,10 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 continue
             if redundant_experts and rank != lost_rank:
                 survived += out.finish_reason == "length"
-                after = [t for t in out.token_times if t > t_stop - s.t0]
-                if after:
-                    stall = max(after[0] - (t_stop - s.t0), stall if stall == stall else 0.0)
+                after = [t_stop - s.t0] + [t for t in out.token_times if t > t_stop - s.t0]
+                if len(after) > 1:  # the longest wait for a token after the stop, not only for the first one
+                    gap = max(b - a for a, b in zip(after, after[1:]))
+                    stall = max(gap, stall if stall == stall else 0.0)
                 continue
             errors += out.finish_reason != "error"
             reasons.add(out.error)
