@@ -96,10 +96,12 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
     survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop; then
     rejoin_s, the seconds from the stop until the replacement rank joined (nan: not within `timeout_s` of the
     stop), node_ids_before / node_ids_after, the ranks' Ray node ids before the loss and once it joined, lost_node_id
-    (node B's), world_size_end (the group's size at the end of the trial).
+    (node B's), world_size_end (the group's size at the end of the trial), placement_groups ((state, bundle count)
+    of every placement group of the cluster once it joined).
     max_tokens: each stream's length (long enough to be decoding when the node goes); max_model_len: the group's.
     cluster_kw: more `ClusterConfig` fields (e.g. rank_silence_s)."""
     import ray
+    from ray.util.placement_group import placement_group_table
 
     from actors.engine.sampling import SamplingParams
     from bench.two_nodes import NODE_B_IP
@@ -155,16 +157,18 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 break
             time.sleep(0.1)
         after = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=30) if serving_s == serving_s else []
-        rejoin_s, ids_after = float("nan"), []
+        rejoin_s, ids_after, groups = float("nan"), [], []
         if redundant_experts:  # the replacement rank: started in the background, then switched in
             while not router.rejoins and time.monotonic() - t0 < timeout_s:
                 time.sleep(0.1)
             if router.rejoins:
                 rejoin_s = time.monotonic() - t0  # within 0.1 s of the switch
                 ids_after = rank_node_ids(llm.cluster.ranks)
+                groups = sorted((t["state"], len(t["bundles"])) for t in placement_group_table().values())
         return {"fail_s": fail_s, "survived": survived, "survivor_stall_s": stall, "serving_s": serving_s,
                 "rejoin_s": rejoin_s, "node_ids_before": ids_before, "node_ids_after": ids_after,
                 "lost_node_id": ids_before[lost_rank], "world_size_end": len(llm.cluster.ranks),
+                "placement_groups": groups,
                 "hung": hung, "errors": errors, "stopped": stopped,
                 "reasons": sorted(str(r) for r in reasons), "ranks_before": ips, "ranks_after": after,
                 "recoveries": router.recoveries}
