@@ -8,8 +8,9 @@ that node counts as lost (`cluster.lost_nodes`), and Ray keeps the bundle there 
 (about a minute), so a replacement started in it would not come up in time: it goes to a one-bundle placement group
 of its own, off the lost nodes (`replacement_selector`), and lives there (`_own`) until the group is rebuilt
 (`EPCluster.restart`) or shut down, which remove those groups. Ray cannot remove one bundle of a placement group,
-so the lost rank's old bundle stays reserved (on the lost node; where Ray moves it once it declares the node dead)
-until that rebuild or shutdown removes the whole group; the rebuild then makes the group anew off the lost nodes.
+so the lost rank's old bundle stays reserved until that rebuild or shutdown removes the whole group (on the lost
+node at first; once Ray declares that node dead it moves the bundle to a live node, where it holds its resources
+idle: BENCHMARKS.md "Node loss"); the rebuild then makes the group anew off the lost nodes.
 """
 from __future__ import annotations
 
