@@ -14,7 +14,10 @@ Ray's defaults), so everything before that is moeray's own detection.
     finish_reason "error", the retriable 503 / UNAVAILABLE at the front doors);
   - serving_s: seconds from the stop until a new request completes (the group rebuilt on the surviving node:
     SPREAD packs both ranks onto it);
-  - hung: requests not ended within `timeout_s`; errors: in-flight requests that did not end with an error.
+  - hung: requests not ended within `timeout_s`; errors: in-flight requests that did not end with an error;
+  - with redundant experts (elastic EP, the survivor serving alone meanwhile) rejoin_s: seconds from the stop until
+    a replacement rank has joined and the whole group serves again (nan: not within `timeout_s`), and the node
+    each rank of that group runs on (`rank_node_ids`: the replacement belongs on a surviving node).
 """
 from __future__ import annotations
 
@@ -70,16 +73,35 @@ def kill_node(root: int) -> None:
             pass
 
 
+def rank_node_ids(ranks: list) -> list[str]:
+    """The Ray node id each rank actor in `ranks` runs on (asked inside the actor; 30 s deadline)."""
+    import ray
+
+    def node_id(self):  # runs inside the rank actor
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    return ray.get([r.__ray_call__.remote(node_id) for r in ranks], timeout=30)
+
+
 def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 90.0,
-                    redundant_experts: bool = False, max_tokens: int = 400, max_model_len: int = 512) -> dict:
+                    redundant_experts: bool = False, max_tokens: int = 400, max_model_len: int = 512,
+                    **cluster_kw) -> dict:
     """In a driver connected (ray.init done) to a `TwoNodes` cluster whose node B is the process tree under pid
     `root`: the trial of the module docstring. Returns {fail_s, serving_s (nan: not serving within timeout_s),
     hung, errors, stopped (processes stopped), reasons (distinct client error texts), ranks_before / ranks_after
     (node IPs of the ranks before the loss / of the rebuilt group), recoveries}. redundant_experts: the elastic path (the survivor's own streams go on, only the
     lost rank's end; `errors` then counts the lost rank's streams that did not end with an error, `survived` the
-    survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop).
-    max_tokens: each stream's length (long enough to be decoding when the node goes); max_model_len: the group's."""
+    survivor's streams that completed, `survivor_stall_s` their longest wait for a token after the stop; then
+    rejoin_s, the seconds from the stop until the replacement rank joined (nan: not within `timeout_s` of the
+    stop), node_ids_before / node_ids_after, the ranks' Ray node ids before the loss and once it joined, lost_node_id
+    (node B's), world_size_end (the group's size at the end of the trial), placement_groups ((state, bundle count)
+    of every placement group of the cluster once it joined).
+    max_tokens: each stream's length (long enough to be decoding when the node goes); max_model_len: the group's.
+    cluster_kw: more `ClusterConfig` fields (e.g. rank_silence_s)."""
     import ray
+    from ray.util.placement_group import placement_group_table
 
     from actors.engine.sampling import SamplingParams
     from bench.two_nodes import NODE_B_IP
@@ -87,10 +109,11 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
     from router_service.errors import EngineError
 
     llm = LLM(model=model, ranks=2, placement_strategy="SPREAD", max_model_len=max_model_len, kv_cache_bytes=8 << 20,
-              redundant_experts=redundant_experts)
+              redundant_experts=redundant_experts, **cluster_kw)
     try:
         router = llm.router
         ips = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=60)
+        ids_before = rank_node_ids(llm.cluster.ranks)
         long = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         ss = [router.submit(f"Prompt {i}: the history of the river and the town", long) for i in range(streams)]
         for s in ss:
@@ -110,9 +133,10 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 continue
             if redundant_experts and rank != lost_rank:
                 survived += out.finish_reason == "length"
-                after = [t for t in out.token_times if t > t_stop - s.t0]
-                if after:
-                    stall = max(after[0] - (t_stop - s.t0), stall if stall == stall else 0.0)
+                after = [t_stop - s.t0] + [t for t in out.token_times if t > t_stop - s.t0]
+                if len(after) > 1:  # the longest wait for a token after the stop, not only for the first one
+                    gap = max(b - a for a, b in zip(after, after[1:]))
+                    stall = max(gap, stall if stall == stall else 0.0)
                 continue
             errors += out.finish_reason != "error"
             reasons.add(out.error)
@@ -133,7 +157,18 @@ def node_loss_trial(model: str, root: int, streams: int = 4, timeout_s: float = 
                 break
             time.sleep(0.1)
         after = ray.get([r.node_ip.remote() for r in llm.cluster.ranks], timeout=30) if serving_s == serving_s else []
+        rejoin_s, ids_after, groups = float("nan"), [], []
+        if redundant_experts:  # the replacement rank: started in the background, then switched in
+            while not router.rejoins and time.monotonic() - t0 < timeout_s:
+                time.sleep(0.1)
+            if router.rejoins:
+                rejoin_s = time.monotonic() - t0  # within 0.1 s of the switch
+                ids_after = rank_node_ids(llm.cluster.ranks)
+                groups = sorted((t["state"], len(t["bundles"])) for t in placement_group_table().values())
         return {"fail_s": fail_s, "survived": survived, "survivor_stall_s": stall, "serving_s": serving_s,
+                "rejoin_s": rejoin_s, "node_ids_before": ids_before, "node_ids_after": ids_after,
+                "lost_node_id": ids_before[lost_rank], "world_size_end": len(llm.cluster.ranks),
+                "placement_groups": groups,
                 "hung": hung, "errors": errors, "stopped": stopped,
                 "reasons": sorted(str(r) for r in reasons), "ranks_before": ips, "ranks_after": after,
                 "recoveries": router.recoveries}
@@ -189,4 +224,9 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from cluster.config import DEFAULT_MODEL
 
-    print(run(DEFAULT_MODEL, redundant_experts="--redundant-experts" in sys.argv))
+    r = run(DEFAULT_MODEL, redundant_experts="--redundant-experts" in sys.argv)
+    print(r)
+    if "error" not in r:
+        print(f"RESULT fail_s={r['fail_s']:.2f} serving_s={r['serving_s']:.2f} hung={r['hung']} "
+              f"survivor_stall_s={r['survivor_stall_s']:.2f} rejoin_s={r['rejoin_s']:.2f} "
+              f"world_size_end={r['world_size_end']} on_lost_node={r['node_ids_after'].count(r['lost_node_id'])}")

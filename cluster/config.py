@@ -33,7 +33,8 @@ class ClusterConfig:
     kv_cache_bytes: KV budget per rank (bytes). num_threads_per_rank: compute threads of each rank (0: the CPUs of
     its node over the ranks placed there, `actors.rank.threads`). pg_timeout_s: process-group timeout (<= 10 s): a
     collective waits this long for a silent peer (a node lost without a reset), then the rank fails its step.
-    rank_silence_s: the router's bound on a rank's silence (see the field).
+    rank_silence_s: the router's bound on a rank's silence (see the field); with ranks >= 2 it must be below
+    pg_timeout_s / 2, so that the router's verdict comes before the collective timeout (`check_silence`).
     placement_strategy: the rank placement group's Ray strategy, one of PLACEMENT_STRATEGIES (PACK: as few
     nodes as possible; SPREAD: across nodes, soft; STRICT_SPREAD: one rank per node; STRICT_PACK: one node).
     None (the default) resolves here to PACK, or to STRICT_SPREAD with ranks_per_node.
@@ -87,8 +88,7 @@ class ClusterConfig:
         if not 0 < self.pg_timeout_s <= 10:
             raise ValueError(f"pg_timeout_s={self.pg_timeout_s} must be in (0, 10]")
         check_placement_timeout(self.placement_timeout_s)
-        if not 0 < self.rank_silence_s < math.inf:
-            raise ValueError(f"rank_silence_s={self.rank_silence_s} must be > 0 and finite (seconds)")
+        check_silence(self.rank_silence_s, self.pg_timeout_s, self.ranks)
         self.placement_strategy = resolve_placement(self.ranks, self.ranks_per_node, self.placement_strategy)
         if self.redundant_experts and self.ranks < 2:
             raise ValueError(f"redundant_experts needs ranks >= 2 (every expert on two ranks), got ranks={self.ranks}")
@@ -143,6 +143,20 @@ def check_prefix_routing(imbalanced_threshold: float, match_rate_threshold: floa
         raise ValueError(f"prefix_routing_imbalanced_threshold={imbalanced_threshold} must be >= 0 (requests)")
     if not 0 <= match_rate_threshold <= 1:
         raise ValueError(f"prefix_routing_match_rate_threshold={match_rate_threshold} must be in [0, 1]")
+
+
+def check_silence(rank_silence_s: float, pg_timeout_s: float, ranks: int) -> None:
+    """Raises ValueError unless rank_silence_s (seconds) is > 0 and finite and, with ranks >= 2, below
+    pg_timeout_s / 2 (names both fields and the limit). The router declares a silent rank (its node lost without a
+    reset) lost up to 2 x rank_silence_s after its last frame; a survivor's collective waiting on it gives up after
+    pg_timeout_s. The router's verdict must come first: else the survivor's step fails first, clients read that the
+    survivor failed, and (without redundant experts) the rebuild asks the silent rank again."""
+    if not 0 < rank_silence_s < math.inf:
+        raise ValueError(f"rank_silence_s={rank_silence_s} must be > 0 and finite (seconds)")
+    if ranks >= 2 and not 2 * rank_silence_s < pg_timeout_s:
+        raise ValueError(f"rank_silence_s={rank_silence_s} must be < pg_timeout_s / 2 = {pg_timeout_s / 2:g} "
+                         f"(pg_timeout_s={pg_timeout_s}): a silent rank is declared lost up to 2 x rank_silence_s "
+                         f"after its last frame, and that must come before a survivor's collective times out")
 
 
 def check_placement_timeout(placement_timeout_s: float) -> None:

@@ -13,18 +13,19 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.model.config import ModelConfig
 from actors.rank.worker import RankWorker
 from cluster.config import ClusterConfig
+from cluster.elastic_group import ElasticGroup
 from cluster.lost_nodes import ask_health, avoid_selector, silent_nodes
 from cluster.metrics import aggregate_stats
 from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, rank_bundles
-from cluster.placement import (contiguous_placement, eplb_placement, expected_rank_load, redundant_placement,
-                               shrink_placement)
+from cluster.placement import contiguous_placement, eplb_placement, expected_rank_load, redundant_placement
 
 log = logging.getLogger("moeray.cluster")
 
 
-class EPCluster:
+class EPCluster(ElasticGroup):
     """An expert-parallel group: `ranks` RankWorker actors on one placement group: one bundle per rank, or with
-    `ranks_per_node` = N one per node group, rank r in bundle r // N (`cluster.node_groups`).
+    `ranks_per_node` = N one per node group, rank r in bundle r // N (`cluster.node_groups`); with redundant
+    experts a lost rank is dropped and replaced while the others serve (`cluster.elastic_group`).
 
     Raises:
         PlacementTimeoutError (a TimeoutError): the placement group cannot be scheduled within
@@ -41,7 +42,8 @@ class EPCluster:
         self.placement = (redundant_placement(mc.num_layers, mc.num_experts, cfg.ranks, dense_layers=self._dense)
                           if cfg.redundant_experts else contiguous_placement(mc.num_layers, mc.num_experts, cfg.ranks))
         self._initial_placement = self.placement  # what a whole-group rebuild (`restart`) starts from
-        self._avoid: set[str] = set()  # node ids a rebuild found silent (`cluster.lost_nodes`)
+        self._avoid: set[str] = set()  # node ids a rebuild or a replacement found lost (`cluster.lost_nodes`)
+        self._own: dict = {}  # slot -> a replacement's own placement group, off a lost node (`cluster.elastic_group`)
         self.pg = self._placement_group()
         ready, _ = ray.wait([self.pg.ready()], timeout=cfg.placement_timeout_s)
         if not ready:
@@ -126,9 +128,10 @@ class EPCluster:
         dead rank leaves the others unable to step. Kills every rank actor (the survivors may be blocked in a
         collective until the process-group timeout, so they are only asked `health`: a rank that gives no answer
         within `lost_nodes.NODE_PROBE_S` sits on a lost node, and the placement group is then made anew without
-        that node, `cluster.lost_nodes`), starts new actors in the placement group's bundles with the initial
-        expert placement, and joins them in a new process group. KV caches and in-flight sequences are lost: the
-        caller fails them first. silent: ranks the caller already found silent (not asked again). Returns the
+        that node, `cluster.lost_nodes`; so it is, too, when an elastic replacement had left its bundle for a group
+        of its own, which is removed: `cluster.elastic_group`), starts new actors in the placement group's bundles
+        with the initial expert placement, and joins them in a new process group. KV caches and in-flight
+        sequences are lost: the caller fails them first. silent: ranks the caller already found silent (not asked again). Returns the
         seconds taken.
 
         Raises:
@@ -136,11 +139,13 @@ class EPCluster:
             ray.exceptions.RayActorError: a new rank failed during setup.
         """
         t0 = time.perf_counter()
-        lost = silent_nodes(self.pg, self.ranks, [bundle_of(s, self.cfg.ranks_per_node) for s in self.slots],
-                            known=silent)
+        lost = silent_nodes(self.pg, self.ranks, self._bundles(self.slots), known=silent)
         self._kill_ranks()
-        if lost - self._avoid:  # Ray still counts them alive and keeps bundles there: a new group, off them
+        # Ray still counts lost nodes alive and keeps bundles there: a new group, off them (also when a replacement
+        # lives in a group of its own: the group's bundle it left sits on a lost node)
+        if lost - self._avoid or self._own:
             self._avoid |= lost
+            self.release_own()
             remove_placement_group(self.pg)
             self.pg = self._placement_group()
         self.placement = self._initial_placement  # all cfg.ranks ranks again, even after a `shrink`
@@ -155,98 +160,6 @@ class EPCluster:
         self._load_snaps.append((time.monotonic(), [[0] * mc.num_experts for _ in range(mc.num_layers)]))
         log.warning("EP group rebuilt (generation %d) in %.1f s", self.generation, time.perf_counter() - t0)
         return time.perf_counter() - t0
-
-    def shrink(self, dead: int, timeout_s: float = 30.0) -> dict:
-        """Elastic EP: drop rank `dead` (killed if still there) and form a new group over the survivors, without
-        restarting them: a new process group under a new store prefix, ranks renumbered in order, the placement
-        without the dead rank's replicas (`shrink_placement`: the survivors keep their experts). The survivors'
-        sequences and KV caches are untouched; each re-runs the step the loss interrupted. Returns {dead,
-        world_size, generation, shrink_s, regroup_s (slowest survivor's switch)}.
-
-        Raises:
-            ValueError: no redundant experts, a single rank, or some expert lived only on `dead` (rebuild instead).
-            TimeoutError / RuntimeError / ray errors: a survivor did not switch (rebuild the group).
-        """
-        t0 = time.perf_counter()
-        if not self.cfg.redundant_experts:
-            raise ValueError("shrink needs redundant experts (ClusterConfig.redundant_experts)")
-        new = shrink_placement(self.placement, dead, dense_layers=self._dense)
-        self._whole_placement = self.placement  # what a replacement rank joins back (`prepare_grow`)
-        try:
-            ray.kill(self.ranks[dead], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        survivors = [r for i, r in enumerate(self.ranks) if i != dead]
-        W = len(survivors)
-        self.generation += 1
-        addr, port = ray.get(survivors[0].open_regroup_store.remote(), timeout=timeout_s) if W > 1 else ("", 0)
-        prefix = f"moeray/elastic/{self.generation}"
-        cfg = self.cfg
-        done = ray.get([r.regroup.remote(i, W, addr, port, new.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
-                                         cfg.transport, timeout_s, interrupt=True) for i, r in enumerate(survivors)],
-                       timeout=timeout_s + 5)  # interrupt: a survivor waiting on the lost rank stops waiting
-        self.ranks, self.placement = survivors, new
-        del self.slots[dead]
-        # the lost rank's expert-load counts went with it: the load window restarts from the survivors' counts now
-        self._load_snaps.clear()
-        self.stats()
-        self.info = [{**info, "rank": d["rank"]} for info, d in zip(
-            [x for i, x in enumerate(self.info) if i != dead], done)]
-        out = {"dead": dead, "world_size": W, "generation": self.generation, "shrink_s": time.perf_counter() - t0,
-               "regroup_s": max(d["regroup_s"] for d in done)}
-        log.warning("rank %d lost: %d survivors regrouped (generation %d) in %.2f s", dead, W, self.generation,
-                    out["shrink_s"])
-        return out
-
-    def prepare_grow(self, timeout_s: float = 120.0):
-        """Elastic EP, after a `shrink`: start a replacement rank in the lost rank's bundle (its node group's with
-        `ranks_per_node`) and read its experts
-        (the whole group's placement) while the others keep serving. Returns the handle for `finish_grow`.
-        Raises ValueError unless exactly one rank of the whole group is missing."""
-        lost = [b for b in range(self.cfg.ranks) if b not in self.slots]
-        if len(lost) != 1:
-            raise ValueError(f"grow needs exactly one missing rank, missing: {lost}")
-        cfg, b = self.cfg, lost[0]
-        actor = ray.remote(RankWorker).options(
-            num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg, placement_group_bundle_index=bundle_of(b, cfg.ranks_per_node)),
-        ).remote(b, cfg.ranks, cfg.engine_config(), self._whole_placement.to_dict(), cfg.num_threads_per_rank, True)
-        t0 = time.perf_counter()
-        try:
-            info = ray.get(actor.prepare_join.remote(), timeout=timeout_s)
-        except BaseException:
-            ray.kill(actor, no_restart=True)
-            raise
-        return {"slot": b, "actor": actor, "info": info, "prepare_s": time.perf_counter() - t0}
-
-    def finish_grow(self, prepared: dict, timeout_s: float = 30.0) -> dict:
-        """Switch to the whole group between steps: the survivors `regroup` back to their ranks of the whole group
-        (same experts, same local rows), the replacement `join`s, all under a new store prefix. Returns {rank
-        (the replacement's), world_size, generation, prepare_s, switch_s}. Raises what the calls raise (the
-        caller rebuilds the group)."""
-        t0 = time.perf_counter()
-        b, actor, cfg = prepared["slot"], prepared["actor"], self.cfg
-        slots = sorted(self.slots + [b])
-        ranks = [actor if s == b else self.ranks[self.slots.index(s)] for s in slots]
-        addr, port = ray.get(ranks[0].open_regroup_store.remote(), timeout=timeout_s)
-        self.generation += 1
-        prefix, full = f"moeray/elastic/{self.generation}", self._whole_placement
-        calls = [actor.join.remote(addr, port, prefix, cfg.backend, cfg.pg_timeout_s, cfg.transport) if s == b else
-                 r.regroup.remote(i, len(slots), addr, port, full.to_dict(), prefix, cfg.backend, cfg.pg_timeout_s,
-                                  cfg.transport, timeout_s) for i, (s, r) in enumerate(zip(slots, ranks))]
-        ray.get(calls, timeout=timeout_s + 5)
-        info = {s: x for s, x in zip(self.slots, self.info)}
-        info[b] = prepared["info"]
-        self.ranks, self.slots, self.placement = ranks, slots, full
-        self.info = [{**info[s], "rank": i} for i, s in enumerate(slots)]
-        self._load_snaps.clear()
-        self.stats()
-        out = {"rank": b, "world_size": len(slots), "generation": self.generation,
-               "prepare_s": prepared["prepare_s"], "switch_s": time.perf_counter() - t0}
-        log.warning("replacement rank %d joined (generation %d): read its experts in %.2f s, switched in %.2f s",
-                    b, self.generation, out["prepare_s"], out["switch_s"])
-        return out
 
     def stats(self) -> dict:
         """Cluster snapshot: per-rank stats and aggregated expert load (see `cluster.metrics`)."""
@@ -336,4 +249,5 @@ class EPCluster:
         except Exception as e:  # noqa: BLE001 - best effort; actors are killed below anyway
             log.warning("rank shutdown: %s", e)
         self._kill_ranks()
+        self.release_own()
         remove_placement_group(self.pg)

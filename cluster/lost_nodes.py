@@ -12,8 +12,14 @@ no rank answers, while another node is alive, counts as lost (`lost_among`): the
 it by Ray's node-id label (`avoid_selector`), so SPREAD packs the ranks onto the survivors at once; STRICT_SPREAD
 then waits for a replacement node (it cannot pack).
 
-A node counted lost by mistake (its ranks too overloaded to answer within NODE_PROBE_S) only costs the rebuilt
-placement group that node; a one-node cluster never excludes its only node.
+Elastic EP (`cluster.elastic_group`) asks the same question when the router found one rank silent: the survivors
+answer, and if none of them shares the silent rank's node, that node counts as lost, and the replacement rank goes
+to a placement group of its own off it (`replacement_selector`) instead of the lost rank's bundle, which Ray keeps
+on the lost node until its health checks fail.
+
+A node counted lost by mistake (its ranks too overloaded to answer within NODE_PROBE_S, or one stopped rank alone
+on a node) only costs the rebuilt placement group (or the replacement) that node; a one-node cluster never excludes
+its only node.
 """
 from __future__ import annotations
 
@@ -67,6 +73,13 @@ def avoid_selector(node_ids: set[str], n_bundles: int) -> list[dict[str, str]] |
     return [{NODE_ID_LABEL_KEY: f"!in({sel})"} for _ in range(n_bundles)]
 
 
+def replacement_selector(avoid: set[str], strategy: str, survivor_nodes: set[str]) -> list[dict[str, str]] | None:
+    """`bundle_label_selector` of a replacement rank's own one-bundle placement group: off the nodes in `avoid`
+    (lost ones), and under STRICT_SPREAD (one rank or node group per node) off the survivors' nodes too, so the
+    strategy's promise holds (with no other node it waits, as a STRICT_SPREAD rebuild does). None: no constraint."""
+    return avoid_selector(avoid | survivor_nodes if strategy == "STRICT_SPREAD" else avoid, 1)
+
+
 def lost_among(node_of_rank: list[str | None], quiet: list[int], alive: set[str]) -> set[str]:
     """The nodes that count as lost: every rank on them is in `quiet` (indices into `node_of_rank`, each rank's
     node id or None if unknown), and some node in `alive` (Ray's alive nodes) stays outside them. One hung rank
@@ -77,23 +90,39 @@ def lost_among(node_of_rank: list[str | None], quiet: list[int], alive: set[str]
     return lost if alive - lost else set()
 
 
-def silent_nodes(pg, ranks: list, bundles: list[int], timeout_s: float = NODE_PROBE_S,
+def bundle_nodes(pg, bundles: list) -> list[str | None]:
+    """The node id of each bundle in `bundles` (None: not placed): an index into `pg`, or a (placement group,
+    index) pair for a rank in a group of its own (a replacement, `cluster.elastic_group`). Raises what Ray's
+    `placement_group_table` raises (GCS unreachable)."""
+    tables: dict = {}
+    out = []
+    for b in bundles:
+        group, index = b if isinstance(b, tuple) else (pg, b)
+        key = getattr(group, "id", group)
+        if key not in tables:
+            tables[key] = placement_group_table(group).get("bundles_to_node_id", {})
+        out.append(tables[key].get(index))
+    return out
+
+
+def silent_nodes(pg, ranks: list, bundles: list, timeout_s: float = NODE_PROBE_S,
                  known: frozenset[int] = frozenset()) -> set[str]:
     """The nodes that count as lost (`lost_among`) after asking `ranks` `health` (`unanswered`), by node id;
-    `bundles[i]` is rank i's bundle in `pg`. `known`: ranks already found silent (the router's `RankSilent`), not
-    asked again, so the answer comes as soon as the others have answered. Logs what it finds."""
+    `bundles[i]` is rank i's bundle (`bundle_nodes`: an index into `pg`, or a (placement group, index) pair).
+    `known`: ranks already found silent (the router's `RankSilent`), not asked again (their entry in `ranks` is not
+    used), so the answer comes as soon as the others have answered. Logs what it finds."""
     others = [i for i in range(len(ranks)) if i not in known]
     quiet = sorted(set(known) | {others[j] for j in unanswered([ranks[i] for i in others], timeout_s)})
     if not quiet:
         return set()
     try:
-        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        where = bundle_nodes(pg, bundles)
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
     except Exception as e:  # noqa: BLE001 - a diagnosis never blocks the rebuild: Ray's own view then decides
         log.warning("ranks %s gave no answer; their nodes are unknown (%s: %s)", quiet, type(e).__name__, e)
         return set()
-    nodes = lost_among([where.get(b) for b in bundles], quiet, alive)
+    nodes = lost_among(where, quiet, alive)
     log.warning("ranks %s gave no answer within %.1f s: %s", quiet, timeout_s,
-                f"their nodes {sorted(n[:12] for n in nodes)} count as lost (the rebuilt group avoids them)"
+                f"their nodes {sorted(n[:12] for n in nodes)} count as lost (new bundles avoid them)"
                 if nodes else "not a node loss (a rank on the same node answered, or no other node is alive)")
     return nodes

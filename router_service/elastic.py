@@ -43,7 +43,8 @@ def try_shrink(router, gen: int, rank: int, reason: str, detail: str) -> bool:
 
 def _shrink(router, gen: int, rank: int, reason: str, failed: int, t0: float) -> None:
     try:
-        info = router.cluster.shrink(rank)
+        # silent (no frame, no health answer) rather than gone: its node may be lost (`EPCluster.prepare_grow`)
+        info = router.cluster.shrink(rank, silent=rank in router._channels.silent)
     except Exception as e:  # noqa: BLE001 - the survivors could not regroup: rebuild the whole group
         log.error("elastic regroup after %s failed (%s: %s): rebuilding the whole group", reason, type(e).__name__, e)
         with router._lock:
@@ -86,9 +87,7 @@ def rejoin(router, gen: int) -> dict | None:
         return None
     with router._lock:
         if gen != router._gen or router._closed or router._recovering is not None:
-            import ray
-
-            ray.kill(prepared["actor"], no_restart=True)
+            router.cluster.abandon_grow(prepared)  # its actor killed, its own placement group (if any) removed
             return None
         router._recovering = "a replacement rank is joining the EP group"
         router._recovering_since = time.monotonic()

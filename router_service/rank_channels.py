@@ -109,6 +109,7 @@ class RankChannels:
             slot = self._slots.pop(rank)
             del self.ranks[rank]
             conn = self._conns.pop(slot, None)
+            self.silent = frozenset(i - (i > rank) for i in self.silent if i != rank)  # indices now
         if conn is not None:
             try:
                 conn.close()
@@ -121,6 +122,7 @@ class RankChannels:
         with self._lock:
             slot = len(self._threads)
             self._slots.insert(rank, slot)
+            self.silent = frozenset(i + (i >= rank) for i in self.silent)
             self.ranks.insert(rank, actor)
             actors = dict(zip(self._slots, self.ranks))
             t = threading.Thread(target=self._poll, args=(slot, actors[slot]), daemon=True, name=f"poll-rank{rank}")
@@ -204,7 +206,7 @@ class RankChannels:
                 self._on_failure(client_reason(index, e), f"rank {index}: {type(e).__name__}: {e}", index)
         finally:
             with self._lock:
-                if self._conns.get(rank) is conn:
+                if conn is not None and self._conns.get(rank) is conn:  # None: it never connected
                     del self._conns[rank]
             if conn is not None:
                 conn.close()

@@ -46,6 +46,21 @@ def test_rank_silence_is_validated_and_named_to_clients(tiny_model_dir):
     assert client_reason(1, RankSilent(10.0)) == "rank 1 is unreachable (silent for 10 s: its node may be lost)"
 
 
+def test_rank_silence_must_come_before_the_collective_timeout(tiny_model_dir):
+    """The router's verdict on a silent rank (<= 2 x rank_silence_s) must come before a survivor's collective gives
+    up (pg_timeout_s), else clients read that the survivor failed: the combination is refused at config time."""
+    from cluster.config import ClusterConfig
+
+    model = tiny_model_dir("qwen2_moe")
+    with pytest.raises(ValueError) as e:
+        ClusterConfig(model=model, ranks=2, rank_silence_s=3.0, pg_timeout_s=5.0)
+    assert str(e.value).startswith("rank_silence_s=3.0 must be < pg_timeout_s / 2 = 2.5 (pg_timeout_s=5.0)")
+    with pytest.raises(ValueError, match="rank_silence_s=5.0 must be < pg_timeout_s / 2 = 5 "):
+        ClusterConfig(model=model, ranks=2, rank_silence_s=5.0)  # equal: a race, refused too
+    assert ClusterConfig(model=model, ranks=2, rank_silence_s=2.4, pg_timeout_s=5.0).rank_silence_s == 2.4
+    assert ClusterConfig(model=model, ranks=1, rank_silence_s=6.0).rank_silence_s == 6.0  # no collective
+
+
 def test_a_busy_rank_without_outputs_still_heartbeats():
     from actors.rank.output_channel import HEARTBEAT_S, OutputChannel, read_frame
 

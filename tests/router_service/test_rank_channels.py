@@ -3,8 +3,11 @@ text (Ray's carries actor ids, pids and node addresses), which goes to the log."
 from __future__ import annotations
 
 import socket
+from types import SimpleNamespace
 
-from router_service.rank_channels import RankFailed, client_reason
+import pytest
+
+from router_service.rank_channels import RankChannels, RankFailed, client_reason
 
 
 class RayActorError(Exception):  # stands in for ray.exceptions.RayActorError: the module is what is checked
@@ -28,3 +31,21 @@ def test_client_reason_keeps_ray_internals_out():
         assert got == want
         for leak in ("9f3c0a", "4242", "10.1.2.3", "namespace", "worker_id"):
             assert leak not in got
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_silent_rank_indices_follow_a_shrink_and_a_grow():
+    """`silent` (for `EPCluster.shrink(silent=...)` / `restart(silent=...)`) holds indices now: an elastic drop or
+    add renumbers it as it does the ranks, so a later verdict never names a rank that was not silent."""
+    ch = RankChannels([], next_seq=lambda: 0, on_outputs=lambda outs: None, on_failure=lambda *a: None)
+    ch.close()  # no poller reports anything
+    ch.ranks, ch._slots, ch.silent = ["r0", "r1", "r2"], [0, 1, 2], frozenset({0, 2})
+    ch.drop(0)  # rank 0 (silent) dropped: the one that was rank 2 is now rank 1
+    assert ch.silent == {1} and ch.ranks == ["r1", "r2"]
+
+    def unreachable():  # its poller stops at once (and, closed, reports nothing)
+        raise ConnectionError("no channel")
+
+    ch.add(0, SimpleNamespace(open_output_channel=SimpleNamespace(remote=unreachable)))  # a replacement at 0
+    assert ch.silent == {2} and ch.ranks[1:] == ["r1", "r2"]
+    ch._threads[-1].join(5)  # a poller that never connected ends without an error of its own
