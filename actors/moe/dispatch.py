@@ -14,8 +14,11 @@ experts (no collective: the reference every EP run must equal; without padding i
 `combine_tokens`, one decode token `combine_token`: the experts' one-call paths); otherwise `torch.distributed.all_to_all_single` with uneven splits, counts exchanged
 first. On top of that, a step whose agreed largest token count allows it takes the fixed-capacity exchange
 (no counts: see `AllToAllDispatcher`): a per-step choice, made from `step_max_tokens`, the same on every rank.
-The same-node shared-memory transport (`actors.rank.shm_collective`), when the rank has one, is given to the
-constructor and carries the collectives whose sizes every rank knows in advance.
+The same-node shared-memory transport (`actors.rank.shm_collective`, or TCP across nodes), when the rank has one,
+is given to the constructor and carries the collectives whose sizes every rank knows in advance; then a step
+that is not fixed-capacity (a prefill) takes `AgreedCapacityExchange` instead of uneven splits: the W x W pair
+counts first, then the fixed-capacity exchange at the largest of them, in pieces when a call cannot carry it all.
+So no step waits in gloo's all-to-all (slower, and a wait there cannot be interrupted by an elastic regroup).
 
 Redundant experts (EPLB-style placement, `actors.moe.placement`, `cluster.placement.eplb_placement`): an
 expert may have replicas on several ranks; each (token, expert) pair goes to exactly one replica, chosen so
@@ -39,7 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from actors.moe.exchange import CountsExchange, Exchange, FixedCapacityExchange, LocalExchange
+from actors.moe.exchange import (AgreedCapacityExchange, CountsExchange, Exchange, FixedCapacityExchange,
+                                 LocalExchange)
 from actors.moe.experts import ExpertRows, Experts
 from actors.moe.placement import ExpertPlacement, water_fill
 from kernels import tuning
@@ -85,7 +89,8 @@ class Dispatcher(ABC):
 class AllToAllDispatcher(Dispatcher):
     """The expert-parallel dispatcher of one rank: placement tables, replica choice and the exchanges.
 
-    Exchanges (chosen at construction): `LocalExchange` when world_size is 1, else `CountsExchange`, plus
+    Exchanges (chosen at construction): `LocalExchange` when world_size is 1, else `CountsExchange` (with a
+    transport: `AgreedCapacityExchange`), plus
     `FixedCapacityExchange` for the steps that allow it. Fixed capacity (decode): when the lockstep loop has
     agreed on this step's largest per-rank token count T_max (`step_max_tokens`) and C = T_max *
     `max_experts_per_token` is at most `FIXED_MAX_ROWS`, every rank sends every rank exactly C rows, so the
@@ -117,6 +122,8 @@ class AllToAllDispatcher(Dispatcher):
         self._local = LocalExchange()
         self._exchange = self._local if self.world == 1 else CountsExchange(self.world, self._a2a)
         self._fixed = None if self.world == 1 else FixedCapacityExchange(self.world, self._a2a)
+        if shm is not None and self._fixed is not None:  # an equal-split transport carries every step
+            self._exchange = AgreedCapacityExchange(self.world, self._a2a, self._fixed)
         self._sent = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
         self._sent_fast = [0] * placement.num_layers  # rows of the one-token fast path (host ints: no tensor op)
         self._tok_of = {}  # (T, K) -> token index of each (token, k) pair [T * K] (read only: 2 ops per layer saved)
@@ -173,9 +180,24 @@ class AllToAllDispatcher(Dispatcher):
         t0 = time.perf_counter()
         if out_splits is None and self.shm is not None and self.shm.fits(inp.nbytes // self.world):
             self.shm.all_to_all_single(out, inp)  # equal splits of an agreed size: every rank takes this branch
+        elif out_splits is None and self.shm is not None and self.shm.fits(inp[0].nbytes):
+            self._a2a_pieces(out, inp)  # too large for one call, not for one row: in pieces
         else:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
         self.comm_s += time.perf_counter() - t0
+
+    def _a2a_pieces(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """An equal-split all-to-all larger than one transport call, in calls of as many rows per peer as fit (the
+        same count on every rank: it depends on the agreed shape only). out, inp: [W * n, ...] contiguous."""
+        W = self.world
+        src, dst = inp.view(W, inp.shape[0] // W, -1), out.view(W, out.shape[0] // W, -1)
+        n, row = src.shape[1], src[0, 0].nbytes
+        step = max(1, self.shm.max_chunk_bytes // row)
+        for a in range(0, n, step):
+            piece = src[:, a: a + step].contiguous()
+            got = torch.empty_like(piece)
+            self.shm.all_to_all_single(got.view(-1, *inp.shape[1:]), piece.view(-1, *inp.shape[1:]))
+            dst[:, a: a + step] = got
 
     def _route(self, layer: int, ids_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dest rank [V], local row [V]) of each valid pair; a replicated expert's pairs are water-filled

@@ -131,3 +131,24 @@ class FixedCapacityExchange(Exchange):
         y_S = torch.empty_like(y_RD)
         self.a2a(y_S, y_RD, None, None)
         return y_S[state]
+
+
+class AgreedCapacityExchange(Exchange):
+    """The general exchange over an equal-split transport (same-node shared memory, TCP): every rank's pair count
+    per destination goes to every rank (one W x W all-to-all of int64), then the fixed-capacity exchange runs with
+    C = the largest count of any (source, destination) pair, which every rank computes alike. So no step needs
+    torch.distributed's uneven all-to-all (gloo: ~1 ms a call, and a wait there cannot be interrupted); the
+    dispatcher's all-to-all carries a C too large for one call in pieces."""
+
+    def __init__(self, world: int, a2a: A2A, fixed: FixedCapacityExchange):
+        self.world, self.a2a, self.fixed = world, a2a, fixed
+
+    def send(self, x_TD, tok_V, dest_V, local_V, sent_W, capacity):
+        W = self.world
+        counts = torch.bincount(dest_V, minlength=W).to(torch.int64)
+        table = torch.empty(W * W, dtype=torch.int64, device=counts.device)  # row s: rank s's counts
+        self.a2a(table, counts.repeat(W), None, None)
+        return self.fixed.send(x_TD, tok_V, dest_V, local_V, sent_W, max(int(table.max()), 1))
+
+    def receive(self, y_RD, state):
+        return self.fixed.receive(y_RD, state)

@@ -156,6 +156,7 @@ class ShmAllToAll:
         if world < 2 or not 0 <= rank < world:
             raise ValueError(f"rank={rank}, world={world}: need world >= 2 and 0 <= rank < world")
         self.rank, self.world, self.slot_bytes, self.timeout_s = rank, world, slot_bytes, timeout_s
+        self.max_chunk_bytes = slot_bytes  # the most bytes per peer one call carries (`fits`)
         self.peer_pids = list(peer_pids)
         size = world * LINE + 2 * world * world * slot_bytes
         self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)

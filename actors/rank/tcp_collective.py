@@ -59,6 +59,7 @@ class TcpAllToAll:
         if world < 2 or not 0 <= rank < world or sorted(socks) != [r for r in range(world) if r != rank]:
             raise ValueError(f"rank={rank}, world={world}, peers={sorted(socks)}: need one socket per other rank")
         self.rank, self.world, self.timeout_s, self.max_bytes = rank, world, timeout_s, max_bytes
+        self.max_chunk_bytes = max_bytes  # the most bytes per peer one call carries (`fits`)
         self.socks = socks
         for s in socks.values():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

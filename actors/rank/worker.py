@@ -146,10 +146,12 @@ class RankWorker(ElasticRank, LockstepLoop):
                                 timeout=timedelta(seconds=timeout_s))
         self.group = dist.group.WORLD
         if backend == "gloo" and transport == "auto":
-            # slots sized for the largest fixed-capacity exchange (FIXED_MAX_ROWS rows of hidden + 1 fp32),
-            # within SHM_MAX_BYTES for the whole segment; a larger message takes torch.distributed
-            hidden = ModelConfig.from_pretrained(self.engine_cfg.model).hidden_size
-            slot = min(tuning.FIXED_MAX_ROWS * (hidden + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
+            # slots sized for a full step's rows to one peer (the step token budget x top_k, at least the decode
+            # exchange's FIXED_MAX_ROWS, rows of hidden + 1 fp32), within SHM_MAX_BYTES for the whole segment; a
+            # larger exchange goes in pieces (`AllToAllDispatcher._a2a_pieces`)
+            mc = ModelConfig.from_pretrained(self.engine_cfg.model)
+            rows = max(tuning.FIXED_MAX_ROWS, self.engine_cfg.max_batched_tokens * max(mc.top_k, 1))
+            slot = min(rows * (mc.hidden_size + 1) * 4, SHM_MAX_BYTES // (2 * self.world_size ** 2))
             self.shm = ShmAllToAll.setup(store, self.rank, self.world_size, timeout_s, slot_bytes=max(slot, 1024))
             if self.shm is None:  # not one node (or shared memory refused): the same calls over TCP
                 self.shm = TcpAllToAll.setup(store, self.rank, self.world_size, self.node_ip(), timeout_s)

@@ -38,8 +38,14 @@ def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
     loc = pl.local_experts(0, rank)
     experts = LocalExperts(wgu[loc], wd[loc])
     experts = LocalExperts(experts.w_gate_up.to(dtype), experts.w_down.to(dtype))
-    # shm: the same-node transport of the fixed exchange and the count exchange
-    transport = ShmAllToAll.setup(store, rank, world, timeout_s=30.0) if shm else None
+    # shm: the same-node transport of every exchange (an int: its slot bytes, small enough to need pieces); then
+    # torch.distributed's all-to-all is never called (no uneven gloo all-to-all: `AgreedCapacityExchange`)
+    kw = {} if shm is True else {"slot_bytes": shm}
+    transport = ShmAllToAll.setup(store, rank, world, timeout_s=30.0, **kw) if shm else None
+    if shm:
+        def no_gloo(*a, **k):
+            raise AssertionError("torch.distributed all_to_all_single called with a same-node transport")
+        dist.all_to_all_single = no_gloo
     disp = AllToAllDispatcher(pl, rank, shm=transport, max_experts_per_token=K)
     # fixed: what the lockstep loop agrees on, the largest token count of the step on any rank
     step_max_tokens = max(len(t) for t in xs) if fixed else None
@@ -59,7 +65,8 @@ def _worker(rank, world, port, q, fixed=False, dtype=torch.float32, shm=False):
 
 @pytest.mark.parametrize("fixed,dtype,shm", [(False, torch.float32, False), (True, torch.float32, False),
                                              (True, torch.bfloat16, False), (True, torch.float32, True),
-                                             (False, torch.float32, True)])
+                                             (False, torch.float32, True), (False, torch.float32, 120),
+                                             (False, torch.bfloat16, 120), (True, torch.float32, 120)])
 def test_three_ranks_equal_one_rank(fixed, dtype, shm):
     wgu, wd, gate, xs = _data()
     pl1 = ExpertPlacement.contiguous(1, E, 1)
