@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from bench.node_loss import NODE_B_PID_ENV, kill_node
 from bench.two_nodes import HEAD_IP, NODE_B_IP, TwoNodes
+from tests.cluster.node_driver import run_driver
 
 pytestmark = pytest.mark.ray
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REJOIN_BOUND_S = 40.0  # from the stop: the silence verdict (2 x 2 s) + the replacement's start and weight read
 
 
@@ -48,13 +46,7 @@ def test_replacement_rank_comes_up_on_the_surviving_node(tiny_model_dir):
     model = tiny_model_dir("qwen2_moe")
     nodes = TwoNodes(cpus_a=2, cpus_b=2)
     try:
-        env = {**nodes.env, NODE_B_PID_ENV: str(nodes.procs["b"].pid)}
-        r = subprocess.run([sys.executable, "-c",
-                            f"from tests.cluster.test_elastic_node_loss import drive; drive({model!r})"],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=150)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")]
-        assert r.returncode == 0 and lines, f"driver exited {r.returncode}: {r.stderr[-4000:]}"
-        nl = json.loads(lines[-1][len("REPORT "):])
+        nl = run_driver(nodes, "tests.cluster.test_elastic_node_loss", model, timeout_s=150)
     finally:
         kill_node(nodes.procs["b"].pid)  # its stopped workers too (they run in process groups of their own)
         nodes.stop()

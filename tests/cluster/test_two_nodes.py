@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 
 from bench.node_loss import NODE_B_PID_ENV, kill_node
 from bench.two_nodes import HEAD_IP, NODE_B_HOSTNAME, NODE_B_IP, TwoNodes, wait_alive
+from tests.cluster.node_driver import run_driver
 
 pytestmark = pytest.mark.ray
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = [[11, 42, 7, 99, 3], [5, 17, 250, 8, 61, 2, 33]]
 N_TOKENS = 8
 
@@ -147,12 +145,7 @@ def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
     model = tiny_model_dir("qwen2_moe")
     nodes = TwoNodes(cpus_a=2, cpus_b=2)
     try:
-        env = {**nodes.env, NODE_B_PID_ENV: str(nodes.procs["b"].pid)}
-        r = subprocess.run([sys.executable, "-c", f"from tests.cluster.test_two_nodes import drive; drive({model!r})"],
-                           env=env, cwd=REPO, capture_output=True, text=True, timeout=200)
-        lines = [ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")]
-        assert r.returncode == 0 and lines, f"driver exited {r.returncode}: {r.stderr[-4000:]}"
-        rep = json.loads(lines[-1][len("REPORT "):])
+        rep = run_driver(nodes, "tests.cluster.test_two_nodes", model, timeout_s=200)
         left = {node: nodes.segments(node) for node in ("a", "b")}
         isolated = nodes.isolated
     finally:
