@@ -16,8 +16,9 @@ the one-state MLP (`actors.prefetch.pre_attention`), which ships beside it.
 
 Input of `scores` / `log_probs` (`prev_token_input`): `[T, 2D]`, this token's state at the previous MoE layer,
 then the previous token's at the predicted layer (zeros: unknown); a `[T, D]` input scores every row with the
-one-state MLP. Callers build it where `needs_prev_token_hidden` is True (`prequential_eval`, `fit_loglinear`).
-The serving runtime (`actors.experts.runtime`) passes `[T, D]` today, so served prefetch gets the one-state MLP.
+one-state MLP. Callers build it where `needs_prev_token_hidden` is True (`prequential_eval`, `fit_loglinear`, and
+the serving runtime, `actors.experts.prediction.PredictionBookkeeping._predictor_hidden`, which keeps each
+sequence's last layer-l state from the previous step: decode tokens get it, prefill tokens zeros).
 
 Shape legend: T = tokens, E = routed experts, L = layers, D = hidden.
 """
