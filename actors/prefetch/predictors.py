@@ -43,11 +43,11 @@ from actors.prefetch.transitions import TransitionCounts
 PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid", "pre_attention", "pre_attention_hybrid",
               "pre_attention_prev", "pre_attention_prev_hybrid")
 # Chosen by measurement (bench/experts.py, prequential recall on held-out prose and code of the tiny-moe model).
-# pre_attention_hybrid recalls more (full bench on the shipped 4k model 0.946 / 0.908 against hybrid's 0.888 /
-# 0.855; BENCHMARKS.md) but is not the default yet: it needs a calibration file with the MLPs (a model without one
-# would fail to start with the default), and its decode step runs in Python, not in the hybrid's one compiled call
-# (`kernels.cpu`), so its batch-1 cost is unmeasured against the recall it buys. Serve it with
-# prefetch="pre_attention_hybrid".
+# The pre_attention predictors recall more (full bench on the shipped 4k model: pre_attention_prev 0.972 / 0.951,
+# pre_attention_hybrid 0.947 / 0.924, against hybrid's 0.888 / 0.855; BENCHMARKS.md) but none is the default yet:
+# they need a calibration file with the MLPs (a model without one would fail to start with the default), and their
+# decode step runs in Python, not in the hybrid's one compiled call (`kernels.cpu`), so their batch-1 cost is
+# unmeasured against the recall they buy. Serve them with prefetch="pre_attention_prev" (or "..._hybrid").
 DEFAULT_PREDICTOR = "hybrid"
 
 

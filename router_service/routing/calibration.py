@@ -75,7 +75,9 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     the fitted lookahead and MLPs as served); optionally save it all (`out_path`, usually
     `<model>/expert_transitions.safetensors`). All chunks: training-side text only. `pre_attention=False`
     skips the MLPs. The pre_attention_hybrid weights are fitted with MLPs trained on `pre_attention_chunks`
-    alone (out of sample for `token_chunks`, as served text is), when there are any."""
+    alone (out of sample for `token_chunks`, as served text is), when there are any. The two-state MLPs
+    (`fit_pre_attention(..., prev_token=True)`, `actors.prefetch.pre_attention_prev`) train on
+    `pre_attention_chunks` alone (else on `token_chunks`) and fit the pre_attention_prev_hybrid weights as served."""
     mc = engine.model.cfg
     traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
