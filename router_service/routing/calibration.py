@@ -12,6 +12,7 @@ import torch
 from router_service.routing.fitting import RoutingTrace, fit_loglinear, fit_lookahead_gates, fit_pre_attention
 from actors.prefetch.predictors import make_predictor
 from actors.prefetch.pre_attention import PreAttentionPredictor
+from actors.prefetch.pre_attention_prev import PreAttentionPrevPredictor
 from actors.prefetch.transitions import TransitionCounts
 
 
@@ -74,7 +75,9 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     the fitted lookahead and MLPs as served); optionally save it all (`out_path`, usually
     `<model>/expert_transitions.safetensors`). All chunks: training-side text only. `pre_attention=False`
     skips the MLPs. The pre_attention_hybrid weights are fitted with MLPs trained on `pre_attention_chunks`
-    alone (out of sample for `token_chunks`, as served text is), when there are any."""
+    alone (out of sample for `token_chunks`, as served text is), when there are any. The two-state MLPs
+    (`fit_pre_attention(..., prev_token=True)`, `actors.prefetch.pre_attention_prev`) train on
+    `pre_attention_chunks` alone (else on `token_chunks`) and fit the pre_attention_prev_hybrid weights as served."""
     mc = engine.model.cfg
     traces = [record_routing(engine, ch, with_hidden=True)[0] for ch in token_chunks if len(ch) > 1]
     counts = transitions_from_traces(traces, mc.num_layers, mc.num_experts)
@@ -86,17 +89,24 @@ def calibrate(engine, token_chunks: Iterable[list[int]], out_path: str | None = 
     kw = dict(num_layers=mc.num_layers, num_experts=mc.num_experts, top_k=mc.top_k, moe_layers=mc.moe_layers,
               counts=counts, gate_weights=gates, norm_weights=norms, norm_eps=mc.rms_norm_eps)
     look = make_predictor("lookahead", **kw)  # with the fitted gates, as served
-    pa = None
+    pa = pa_prev = None
     if pre_attention:
         extra = [record_routing(engine, ch, with_hidden=True)[0] for ch in (pre_attention_chunks or []) if len(ch) > 1]
         counts.pre_attention = fit_pre_attention(traces + extra, mc.num_experts) or None
+        # The two-state MLPs train on `extra` alone where there is one (`traces` are under 3% of it on the shipped
+        # recipe), so the hybrid's fit on `traces` scores them out of sample at the cost of one training, not two.
+        counts.pre_attention_prev = fit_pre_attention(extra or traces, mc.num_experts, prev_token=True) or None
         if counts.pre_attention:  # the hybrid's fit scores `traces`: with MLPs trained without them if there is text
             held = fit_pre_attention(extra, mc.num_experts) if extra else {}
             pa = make_predictor("pre_attention", **{**kw, "counts": counts.clone()})
             if held:
                 pa = PreAttentionPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers, mlps=held)
+            if counts.pre_attention_prev:
+                pa_prev = PreAttentionPrevPredictor(mc.num_layers, mc.num_experts, mc.top_k, mc.moe_layers,
+                                                    mlps=pa.mlps, prev_mlps=counts.pre_attention_prev, online_lr=0.0)
         del extra
-    counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look, pre_attention=pa)
+    counts.weights = fit_loglinear(traces, mc.num_layers, mc.num_experts, mc.top_k, lookahead=look, pre_attention=pa,
+                                   pre_attention_prev=pa_prev)
     if out_path:
         counts.save(out_path, meta)
     return counts

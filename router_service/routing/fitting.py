@@ -19,6 +19,7 @@ from actors.prefetch.lookahead import LookaheadPredictor
 from actors.prefetch.markov import MarkovPredictor
 from actors.prefetch.pre_attention import PRE_ATTENTION_HIDDEN, PreAttentionMLP, PreAttentionPredictor, \
     fit_pre_attention_mlp
+from actors.prefetch.pre_attention_prev import prev_token_input, shift_prev_token
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,10 +87,13 @@ def fit_lookahead_gates(traces: list[RoutingTrace], gate_weights: list, norm_wei
 
 
 def fit_pre_attention(traces: list[RoutingTrace], num_experts: int, *, hidden: int = PRE_ATTENTION_HIDDEN, epochs: int = 10,
-                      seed: int = 0) -> dict[int, PreAttentionMLP]:
+                      seed: int = 0, prev_token: bool = False) -> dict[int, PreAttentionMLP]:
     """Train, per MoE layer l after the first, the pre-attention MLP (`actors.prefetch.pre_attention`): input the
     residual entering the previous MoE layer's FFN (`RoutingTrace.hidden[:, l_prev]`), target layer l's true
     top-k as a multi-hot vector, binary cross-entropy (`fit_pre_attention_mlp`). Training text only.
+    `prev_token`: the two-state MLP of `actors.prefetch.pre_attention_prev` instead (parts = 2): input that state
+    and the previous token's residual entering layer l's FFN (`hidden[t - 1, l]`), on every token but a trace's
+    first (the predictor scores rows without a previous state with the one-state MLP).
 
     Returns:
         {layer: PreAttentionMLP} ({} when no trace has hidden states).
@@ -102,15 +106,30 @@ def fit_pre_attention(traces: list[RoutingTrace], num_experts: int, *, hidden: i
         L = tr.ids.shape[1]
         moe = [l for l in range(L) if bool((tr.ids[:, l] >= 0).any())]
         for pl, l in zip(moe, moe[1:]):
+            if prev_token:
+                if tr.hidden.shape[0] > 1:
+                    xs.setdefault(l, []).append(prev_token_input(tr.hidden[1:, pl], tr.hidden[:-1, l]))
+                    ys.setdefault(l, []).append(tr.ids[1:, l])
+                continue
             xs.setdefault(l, []).append(tr.hidden[:, pl])
             ys.setdefault(l, []).append(tr.ids[:, l])
     return {l: fit_pre_attention_mlp(torch.cat(xs[l]), multi_hot(torch.cat(ys[l]), num_experts), hidden=hidden,
-                                     epochs=epochs, seed=seed + l) for l in xs}
+                                     epochs=epochs, seed=seed + l, parts=2 if prev_token else 1) for l in xs}
+
+
+def source_input(source, tr: RoutingTrace, pl: int, l: int) -> torch.Tensor:
+    """The hidden-state input a predictor `source` reads for layer l from a trace: `[T, D]` (the residual entering
+    the previous MoE layer pl's FFN), or `[T, 2D]` where `source.needs_prev_token_hidden` (with each token's
+    predecessor's residual entering l's FFN, `prev_token_input`)."""
+    if getattr(source, "needs_prev_token_hidden", False):
+        return prev_token_input(tr.hidden[:, pl], shift_prev_token(tr.hidden[:, l]))
+    return tr.hidden[:, pl]
 
 
 def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int, top_k: int, *,
                   lookahead: LookaheadPredictor | None = None, pre_attention: PreAttentionPredictor | None = None,
-                  alpha: float = 0.5, steps: int = 200) -> dict:
+                  pre_attention_prev: PreAttentionPredictor | None = None, alpha: float = 0.5,
+                  steps: int = 200) -> dict:
     """Fit the per-layer log-linear weights of `MarkovPredictor` and the hybrids on calibration traces.
 
     Features are computed block-prequentially: each sequence is scored with the counts of the sequences before
@@ -121,13 +140,15 @@ def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int,
     Args:
         traces: calibration sequences (training text, never the evaluation text); hidden states are needed for
             the hybrids' hidden-state term: "hybrid" with `lookahead`, "pre_attention_hybrid" with
-            `pre_attention` (without hidden states, or without either source, only "markov" is fitted).
+            `pre_attention`, "pre_attention_prev_hybrid" with `pre_attention_prev` (without hidden states, or
+            without any source, only "markov" is fitted).
     Returns:
         {"markov": `[L][2]` floats, "hybrid" / "pre_attention_hybrid": `[L][3]` floats (when fitted)}; dense
         layers keep the defaults.
     """
     m = MarkovPredictor(num_layers, num_experts, top_k, alpha=alpha, prior_tokens=None)
-    sources = {n: p for n, p in (("hybrid", lookahead), ("pre_attention_hybrid", pre_attention)) if p is not None}
+    sources = {n: p for n, p in (("hybrid", lookahead), ("pre_attention_hybrid", pre_attention),
+                                 ("pre_attention_prev_hybrid", pre_attention_prev)) if p is not None}
     feats: dict[int, list] = {}  # layer -> [(logf [E], g [T, F, E], multi-hot truth [T, E])]
     fitted = set(sources) if all(tr.hidden is not None for tr in traces) else set()
     for tr in traces:
@@ -140,7 +161,7 @@ def fit_loglinear(traces: list[RoutingTrace], num_layers: int, num_experts: int,
             cols = [g[0], g[1]]
             for n, src in sources.items():  # one column per hidden-state source (zeros where it has none)
                 has = tr.hidden is not None and src.gate[l] is not None
-                cols.append(src.log_probs(l, tr.hidden[:, pl]) if has else torch.zeros_like(g[0]))
+                cols.append(src.log_probs(l, source_input(src, tr, pl, l)) if has else torch.zeros_like(g[0]))
                 if not has:
                     fitted.discard(n)
             feats.setdefault(l, []).append((logf, torch.stack(cols, 1), multi_hot(tr.ids[:, l], num_experts).float()))

@@ -11,6 +11,7 @@ from actors.moe.stats import RoutingStats
 from actors.prefetch.base import ExpertPredictor
 from router_service.routing.fitting import RoutingTrace
 from actors.prefetch.predictors import keep_previous_first
+from actors.prefetch.pre_attention_prev import prev_token_input
 
 
 def prequential_eval(predictors: dict[str, ExpertPredictor], traces: list[RoutingTrace], *,
@@ -39,10 +40,13 @@ def prequential_eval(predictors: dict[str, ExpertPredictor], traces: list[Routin
                 prev_layer = tr.ids[t : t + 1, pl] if pl is not None else None
                 prev_tok = tr.ids[t - 1 : t, l] if t else None
                 hidden = tr.hidden[t : t + 1, pl] if (pl is not None and tr.hidden is not None) else None
+                # the previous token's state entering l's FFN, for predictors that read it (zeros at t = 0)
+                hidden2 = None if hidden is None else prev_token_input(hidden, tr.hidden[t - 1 : t, l] if t else None)
                 true = tr.ids[t : t + 1, l]
                 for name, p in predictors.items():
                     if pl is not None:
-                        pred = p.predict(l, prev_layer, prev_tok, hidden, 1, budget)
+                        h = hidden2 if p.needs_prev_token_hidden else hidden
+                        pred = p.predict(l, prev_layer, prev_tok, h, 1, budget)
                         if keep_previous and prev_tok is not None:
                             pred = torch.tensor([keep_previous_first(pred[0].tolist(), prev_tok[0].tolist(),
                                                                      pred.shape[1])], dtype=torch.int64)

@@ -129,7 +129,7 @@ def test_predictor_errors_and_union():
         MarkovPredictor(L, E, 9)
     assert ExpertPredictor.union(torch.tensor([[3, 1, -1], [1, 0, 3]])) == [0, 1, 3]
     assert set(PREDICTORS) == {"none", "frequent", "markov", "lookahead", "hybrid", "pre_attention",
-                               "pre_attention_hybrid"}
+                               "pre_attention_hybrid", "pre_attention_prev", "pre_attention_prev_hybrid"}
     none = make_predictor("none", num_layers=L, num_experts=E, top_k=K)
     assert none.predict(1, None, None, None, 4).shape == (4, 0)
 
