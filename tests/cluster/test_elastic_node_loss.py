@@ -10,14 +10,13 @@ skips: a missing prerequisite fails the test.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
 from bench.node_loss import NODE_B_PID_ENV, kill_node
 from bench.two_nodes import HEAD_IP, NODE_B_IP, TwoNodes
-from tests.cluster.node_driver import run_driver
+from tests.cluster.node_driver import report_and_exit, run_driver
 
 pytestmark = pytest.mark.ray
 
@@ -38,8 +37,7 @@ def drive(model: str) -> None:
     report = node_loss_trial(model, int(os.environ[NODE_B_PID_ENV]), streams=4, timeout_s=60,
                              redundant_experts=True, max_tokens=160, max_model_len=256, rank_silence_s=2.0)
     report["groups_after_shutdown"] = sorted({t["state"] for t in placement_group_table().values()})
-    print("REPORT " + json.dumps(report, default=str), flush=True)
-    os._exit(0)  # not ray.shutdown() at exit: it would wait on the stopped node
+    report_and_exit(report)
 
 
 def test_replacement_rank_comes_up_on_the_surviving_node(tiny_model_dir):

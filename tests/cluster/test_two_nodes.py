@@ -16,7 +16,6 @@ a missing prerequisite (no `ray`, no free address) fails the test.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -24,7 +23,7 @@ import pytest
 
 from bench.node_loss import NODE_B_PID_ENV, kill_node
 from bench.two_nodes import HEAD_IP, NODE_B_HOSTNAME, NODE_B_IP, TwoNodes, wait_alive
-from tests.cluster.node_driver import run_driver
+from tests.cluster.node_driver import report_and_exit, run_driver
 
 pytestmark = pytest.mark.ray
 
@@ -137,8 +136,7 @@ def drive(model: str) -> None:
 
     report["node_loss"] = node_loss_trial(model, int(os.environ[NODE_B_PID_ENV]), streams=2, timeout_s=60,
                                           max_tokens=200, max_model_len=256)
-    print("REPORT " + json.dumps(report, default=str), flush=True)
-    os._exit(0)  # not ray.shutdown() at exit: it would wait on the stopped node
+    report_and_exit(report)
 
 
 def test_two_nodes_spread_gloo_recovery(tiny_model_dir):
