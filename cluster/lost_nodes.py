@@ -37,20 +37,21 @@ NODE_PROBE_S = 2.0
 def unanswered(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[int]:
     """Indices of the rank actors in `ranks` that gave no answer to `health` within `timeout_s` seconds (all
     asked at once). An actor that answers, even with an error (dead, failed), is not in the list."""
+    refs, ready = _ask(ranks, timeout_s)
+    return [i for i, ref in enumerate(refs) if ref not in ready]
+
+
+def _ask(ranks: list, timeout_s: float) -> tuple[list, set]:
+    """`health` asked of every rank at once: (the call refs in rank order, those answered within `timeout_s`)."""
     refs = [r.health.remote() for r in ranks]
-    if not refs:
-        return []
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    done = set(ready)
-    return [i for i, ref in enumerate(refs) if ref not in done]
+    return refs, set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
 
 
 def ask_health(ranks: list, timeout_s: float = NODE_PROBE_S) -> list[dict]:
     """Every rank actor's `health` answer, asked at once with one deadline of `timeout_s` seconds (so a health
     probe takes at most that long however many ranks are silent). A rank without an answer by then gets
     `{rank, ok: False, error}` saying so (busy, hung, or on a lost node); one whose call failed, the error."""
-    refs = [r.health.remote() for r in ranks]
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    refs, ready = _ask(ranks, timeout_s)
     out = []
     for i, ref in enumerate(refs):
         if ref not in ready:
