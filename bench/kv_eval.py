@@ -24,9 +24,9 @@ from actors.kv.allocator import BlockAllocator
 from actors.kv.interface import KVCache
 from actors.kv.quantized import mixed_causal_attention
 from actors.model.attention import AttentionMetadata
+from actors.kv.simulated import BLOCK, window_logits  # noqa: F401 - re-exported for the benches
+from actors.kv.simulated import prefill_meta as _prefill_meta
 from bench.kivi import kivi_dequantize, kivi_quantize
-
-BLOCK = 16
 
 
 @dataclass
@@ -90,27 +90,6 @@ def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     mid = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
     return max(0.0, mid - half), min(1.0, mid + half)
-
-
-def _prefill_meta(n: int, blocks: list[int], bs: int) -> AttentionMetadata:
-    return AttentionMetadata(
-        slot_mapping=torch.tensor([blocks[i // bs] * bs + i % bs for i in range(n)], dtype=torch.int64),
-        decode_tokens=torch.zeros(0, dtype=torch.int64), decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-        decode_context_lens=torch.zeros(0, dtype=torch.int64),
-        prefills=[(0, n, n, torch.tensor(blocks, dtype=torch.int64))])
-
-
-@torch.inference_mode()
-def window_logits(model, cache: KVCache, ids: list[int]) -> torch.Tensor:
-    """Logits [n - 1, V] fp32 at positions 0 .. n-2 of one window prefilled through `cache` (`model`: an
-    `actors.model.model.MoEModel`); the blocks are freed after."""
-    bs = cache.block_size
-    blocks = [cache.allocator.allocate() for _ in range(-(-len(ids) // bs))]
-    try:
-        h = model.forward(torch.tensor(ids), torch.arange(len(ids)), cache, _prefill_meta(len(ids), blocks, bs))
-        return model.logits(h[:-1]).float()
-    finally:
-        cache.allocator.free_all(blocks)
 
 
 @torch.inference_mode()

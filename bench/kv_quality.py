@@ -33,8 +33,10 @@ Rows:
                  per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block
                  in full precision. 2 bits: per-channel key widths (2-8 bits, 152 bits per head row, on a
                  uniform grid over each channel's min/max range, allocated by query-energy-weighted key error;
-                 no outlier channels), k-means value codebook; 3/4 bits: k-means codebooks, MSE-clipped key
-                 ranges, no outliers
+                 no outlier channels), k-means value codebook; 3/4 bits the same at 216 / 320 key bits per row;
+                 each layer's value bits and key row bits then allocated within those bits by sensitivity
+                 measured on the calibration head (`actors.kv.layer_widths`; never on the evaluated windows)
+  ours<b> uniform  the recipe with every layer at the same widths (before layer widths)
   ours<b> cross  domain-mismatched: each domain's windows through the OTHER domain's profile (KVQuant reports
                  cross-domain calibration gives similar results; this row measures it here)
   ours<b>X       one change to the recipe: `-mse` / `+mse` min/max / MSE-clipped key ranges; `-kmeans` uniform
@@ -85,11 +87,14 @@ from actors.moe.placement import ExpertPlacement  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.engine import RankEngine  # noqa: E402
 from actors.kv.allocator import BlockAllocator  # noqa: E402
-from actors.kv.calibration import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_SINK_TOKENS,  # noqa: E402
+from actors.kv.calibration import (RECOMMENDED_FIT_OPTIONS, RECOMMENDED_LAYER_WIDTHS,  # noqa: E402
+                                   RECOMMENDED_SINK_TOKENS,
                                    collect_calibration_kv, fit_model_profile, model_effective_bits)
 from actors.kv.interface import KVCache  # noqa: E402
+from actors.kv.layer_widths import fit_allocated_profile  # noqa: E402
 from actors.kv.profiles import ModelKVProfile  # noqa: E402
-from actors.kv.quantized import QuantizedPagedKVCache, mixed_causal_attention  # noqa: E402
+from actors.kv.quantized import QuantizedPagedKVCache  # noqa: E402
+from actors.kv.simulated import SimulatedCache  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
 from bench.kv_eval import BLOCK, KiviCache, WindowStats, add_window, score_records, window_logits  # noqa: E402
 from bench.kv_report import DOMAINS, Row, print_tables, result_line  # noqa: E402
@@ -99,6 +104,7 @@ from scripts.retrieval_records import build_eval_records  # noqa: E402
 
 DEFAULT_CONTEXTS = (1024, 4096)
 CALIB_WINDOW = 1024  # calibration forwards: the model card's window (or the model's context if shorter)
+SENS_WINDOWS = 4  # calibration windows the layer-width sensitivity is measured on
 TAIL_FROM = 1024  # KLD / same-top-1 of positions >= this are also reported apart in longer windows
 DEPTHS = tuple(round(0.1 + i * 0.8 / 9, 4) for i in range(10))  # 10 depths, 10% .. 90% of the context
 RETRIEVAL_NEW_TOKENS = 6  # greedy tokens at most: a 5-digit answer is 2-4 tokens here, then "."
@@ -127,30 +133,6 @@ K_GRID_OPTIONS = ("codebook", "k_range")
 QUICK_ABLATION_BITS = (2,)
 # KIVI at matched bits: key groups of 128 tokens, value groups of 64 channels -> bits + 0.375
 KIVI_MATCHED = (128, 64)
-
-
-class SimulatedCache(KVCache):
-    """Our quantization through a quantize-dequantize function `qdq(layer, k_pre [C,H,D], v) -> (k, v)`, with
-    the visibility rule of `QuantizedPagedKVCache` (no sink: key j is quantized for query p iff j < 16 *
-    ((p + 1) // 16)). For storage formats the cache cannot hold yet."""
-
-    def __init__(self, qdq, rope_theta: float, head_dim: int, max_tokens: int):
-        self.qdq = qdq
-        self.cos, self.sin = rope_tables(max_tokens, head_dim, base=rope_theta)
-        self.block_size, self.num_blocks = BLOCK, -(-max_tokens // BLOCK) + 1
-        self.allocator = BlockAllocator(self.num_blocks)
-
-    def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
-        (start, n, ctx, _), = meta.prefills
-        if n != ctx:
-            raise ValueError("SimulatedCache evaluates whole windows only")
-        k, v = k_THD.float(), v_THD.float()
-        k_dq, v_dq = self.qdq(layer, k, v)
-        pos = positions_T.to(torch.int64)
-        cos, sin = self.cos[:ctx], self.sin[:ctx]
-        hi = (pos + 1) // BLOCK * BLOCK
-        return mixed_causal_attention(q_THD, apply_rope(k, cos, sin), v, apply_rope(k_dq, cos, sin), v_dq,
-                                      pos, 0, hi, scale).to(q_THD.dtype)
 
 
 def _int8_outlier_qdq(prof: ModelKVProfile, k_calib: list[torch.Tensor]):
@@ -251,7 +233,7 @@ def main(argv=None) -> int:
     eng = RankEngine(EngineConfig(model=a.model, max_model_len=maxt, max_num_seqs=1, kv_cache_bytes=2**27),
                      ExpertPlacement.contiguous(mc.num_layers, max(mc.num_experts, 1), 1))
     model, tok, fp_cache = eng.model, eng.tokenizer, eng.cache
-    data, records = {}, {}
+    data, records, calib_windows = {}, {}, {}
     for i, dom in enumerate(DOMAINS):
         ids = tok.encode(open(os.path.join(a.model, "heldout", f"{dom}.txt")).read()).ids
         calib = ids[:a.calib_tokens]
@@ -262,6 +244,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"{dom}: {len(ids)} held-out tokens leave no {c}-token window after calibration")
         k, v, qe = collect_calibration_kv(eng, calib, window=min(CALIB_WINDOW, maxt), with_query_energy=True)
         data[dom] = (wins, k, v, qe)
+        calib_windows[dom] = [calib[j:j + CALIB_WINDOW] for j in range(0, len(calib) - CALIB_WINDOW + 1, CALIB_WINDOW)][:SENS_WINDOWS]
         if a.retrieval:  # from the held-out text after the calibration head; prompt + answer fit the context
             n_dom = per_cell // 2 + (per_cell % 2 if i == 0 else 0)
             records[dom] = build_eval_records(tok, tok.decode(rest), [c - RETRIEVAL_NEW_TOKENS for c in ctxs],
@@ -307,13 +290,31 @@ def main(argv=None) -> int:
 
     profiles: dict = {}
 
-    def profile(dom, bits, qweight=True, **change):
-        key = (dom, bits, qweight, tuple(sorted(change.items())))
+    widths: dict = {}
+
+    def layer_widths(dom, bits):
+        """The recipe's allocation for this domain and width, measured on its calibration head (never the
+        evaluated windows); None where the recipe keeps one width for every layer."""
+        if not RECOMMENDED_LAYER_WIDTHS.get(bits):
+            return None
+        if (dom, bits) not in widths:
+            _, k, v, qe = data[dom]
+            widths[(dom, bits)] = fit_allocated_profile(
+                model, k, v, calib_windows[dom], name=dom, bits=bits, query_energy=qe,
+                **RECOMMENDED_FIT_OPTIONS[bits]).layer_widths()
+            print(f"  layer widths {dom} {bits}-bit (value bits, key row bits): {widths[(dom, bits)]}",
+                  file=sys.stderr, flush=True)
+        return widths[(dom, bits)]
+
+    def profile(dom, bits, qweight=True, uniform=False, **change):
+        key = (dom, bits, qweight, uniform, tuple(sorted(change.items())))
         if key not in profiles:
             _, k, v, qe = data[dom]
             opts = {**RECOMMENDED_FIT_OPTIONS[bits], **change}
             qe = qe if qweight and opts.get("k_channel_bits") is not None else None
-            profiles[key] = fit_model_profile(k, v, name=dom, bits=bits, query_energy=qe, **opts)
+            # ablations of the recipe keep its layer widths unless they change the key row budget
+            lw = None if uniform or "k_channel_bits" in change else layer_widths(dom, bits)
+            profiles[key] = fit_model_profile(k, v, name=dom, bits=bits, query_energy=qe, layer_widths=lw, **opts)
         return profiles[key]
 
     def ours(dom, prof, sink):
@@ -329,6 +330,9 @@ def main(argv=None) -> int:
     for bits in (2, 3, 4):
         evaluate(f"ours{bits}", bits, lambda dom, b=bits: ours(dom, profile(dom, b), ns0),
                  lambda dom, c, b=bits: model_effective_bits(profile(dom, b), c0, sink_tokens=ns0))
+        if RECOMMENDED_LAYER_WIDTHS.get(bits):  # the recipe before layer widths: every layer the same width
+            evaluate(f"ours{bits} uniform", bits, lambda dom, b=bits: ours(dom, profile(dom, b, uniform=True), ns0),
+                     lambda dom, c, b=bits: model_effective_bits(profile(dom, b, uniform=True), c0, sink_tokens=ns0))
         if bits in (2, 3):  # domain-mismatched profile: prose windows through the code profile and vice versa
             other = {"prose": "code", "code": "prose"}
             evaluate(f"ours{bits} cross", bits, lambda dom, b=bits: ours(dom, profile(other[dom], b), ns0),

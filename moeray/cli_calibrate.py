@@ -4,7 +4,9 @@
 
 runs the model on the text in non-overlapping windows, collects every layer's pre-RoPE keys and values,
 fits per-channel key scales, outlier channels and non-uniform (k-means) codebooks per layer with the shipped
-recipe for that width (`actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`; flags override it), and writes
+recipe for that width (`actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`; flags override it), spends the width's
+bits where they matter (each layer's value bits and key row bits allocated by measured sensitivity on the first
+calibration windows, `actors.kv.layer_widths`; `--layer-widths uniform`: every layer the same), and writes
 `<OUT>/<domain>-<bits>bit.safetensors` + `.json` (or exactly OUT, if it ends in `.safetensors`).
 A progress bar (tqdm) goes to stderr.
 """
@@ -15,6 +17,8 @@ import sys
 import time
 
 from cluster.config import DEFAULT_MODEL
+
+SENSITIVITY_WINDOWS = 4  # calibration windows the layer-width sensitivity is measured on
 
 
 def add_parser(sub) -> None:
@@ -44,6 +48,10 @@ def add_parser(sub) -> None:
                    help="per-channel key widths: B bits per head row allocated by query-energy-weighted key error "
                         "(kernels.kv_calibrate.fit_kv_profile); 0: one width for every channel. Default: the shipped "
                         "recipe for --bits (152 bits at 2 bits, 216 at 3, 320 at 4, per 64-channel row, scaled to the model's head_dim)")
+    p.add_argument("--layer-widths", default="auto", choices=["auto", "uniform"],
+                   help="auto: each layer's value bits and key row bits allocated by measured sensitivity on the "
+                        "calibration text within the recipe's bits (actors.kv.layer_widths; where the recipe for "
+                        "--bits does it and keys have per-channel widths); uniform: every layer the same")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -72,7 +80,9 @@ def cmd_calibrate(a) -> int:
     from actors.moe.placement import ExpertPlacement
     from actors.engine.config import EngineConfig
     from actors.engine.engine import RankEngine
-    from actors.kv.calibration import collect_calibration_kv, fit_model_profile, model_effective_bits
+    from actors.kv.calibration import (RECOMMENDED_LAYER_WIDTHS, collect_calibration_kv, fit_model_profile,
+                                       model_effective_bits)
+    from actors.kv.layer_widths import fit_allocated_profile
     from actors.kv.profiles import profile_filename, save_profile
 
     if a.tokens < 1 or a.window < 1:
@@ -101,9 +111,18 @@ def cmd_calibrate(a) -> int:
     meta = {"model": os.path.basename(os.path.abspath(a.model)),
             "calibration_files": [os.path.basename(f) for f in a.data], "calibration_tokens": len(ids)}
     opts = recipe_options(a, mc.head_dim)
+    qe = qe if opts.get("k_channel_bits") is not None else None
+    allocate = (a.layer_widths == "auto" and RECOMMENDED_LAYER_WIDTHS.get(a.bits)
+                and opts.get("k_channel_bits") is not None)
     try:
-        prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, percentile=a.percentile, **opts,
-                                 query_energy=qe if opts.get("k_channel_bits") is not None else None)
+        if allocate:  # sensitivity on the first windows of the calibration text (a few dozen forwards each)
+            wins = [ids[j:j + window] for j in range(0, len(ids) - window + 1, window)][:SENSITIVITY_WINDOWS] or [ids]
+            with tqdm(unit="fit", desc="layer widths", file=sys.stderr) as bar:
+                prof = fit_allocated_profile(eng.model, k, v, wins, name=a.domain, bits=a.bits, meta=meta,
+                                             percentile=a.percentile, query_energy=qe, progress=bar.update, **opts)
+        else:
+            prof = fit_model_profile(k, v, name=a.domain, bits=a.bits, meta=meta, percentile=a.percentile, **opts,
+                                     query_energy=qe)
     except ValueError as e:
         print(f"moeray: error: {e}", file=sys.stderr)
         return 2

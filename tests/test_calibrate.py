@@ -99,7 +99,7 @@ def test_calibrate_per_channel_key_bits(model_and_data, tmp_path):
     model, d = model_and_data
     rc = main(["calibrate", "--domain", "prose", "--data", str(d / "prose.txt"), "--bits", "2", "--model", model,
                "--tokens", "150", "--window", "64", "--n-outlier", "0", "--codebook-v", "kmeans", "--k-range",
-               "minmax", "--k-channel-bits", "40", str(tmp_path)])
+               "minmax", "--k-channel-bits", "40", "--layer-widths", "uniform", str(tmp_path)])
     assert rc == 0
     meta = json.loads((tmp_path / "prose-2bit.json").read_text())
     assert meta["fit_options"]["k_channel_bits"] == 40 and meta["fit_options"]["query_energy"] is True
@@ -115,3 +115,9 @@ def test_calibrate_per_channel_key_bits(model_and_data, tmp_path):
     fit = json.loads((tmp_path / "code-2bit.json").read_text())["fit_options"]
     assert fit["k_channel_bits"] == 38 and fit["n_outlier"] == 0 and fit["codebook"] == "uniform"
     assert fit["codebook_v"] == "kmeans" and fit["k_range"] == "minmax" and fit["query_energy"] is True
+    # and each layer's widths allocated by sensitivity within the recipe's bits (2-bit values + 38 key bits + the
+    # fp16 scale per head row of D=16 channels)
+    widths = fit["layer_widths"]
+    assert len(widths) == len(prof.layers) and sum(kb + vb * 16 + 16 for vb, kb in widths) <= len(widths) * (38 + 48)
+    alloc = load_profile(str(tmp_path / "code-2bit"))
+    assert [list(w) for w in alloc.layer_widths()] == widths

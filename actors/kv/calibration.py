@@ -47,6 +47,11 @@ RECOMMENDED_FIT_OPTIONS = {
     4: dict(n_outlier=0, n_outlier_v=0, codebook="uniform", codebook_v="kmeans", use_v_zero=True,
             k_range="minmax", k_channel_bits=K_CHANNEL_BITS_4),
 }
+# Widths whose recipe allocates layer widths by measured sensitivity (`actors.kv.layer_widths`) within the uniform
+# recipe's bits: on the 4k tiny-moe checkpoint the last layer's keys carry most of the error, and the allocation
+# took the 3-bit cache's mean KLD at 1k from 0.021 to 0.009 and the 2-bit one's from 0.14 to 0.06 at the same bits
+# (BENCHMARKS.md, "Layer widths").
+RECOMMENDED_LAYER_WIDTHS = {2: True, 3: True, 4: True}
 # Full-precision sink tokens the recipe was measured with. A sink shifts the 16-token blocks by one, so at a
 # block-multiple length 15 tail tokens stay unsealed in fp16 (0.2 bits/element at 1024 tokens) while quality
 # does not measurably change on tiny-moe.
@@ -110,7 +115,7 @@ def collect_calibration_kv(engine, token_ids: list[int], *, window: int = 1024, 
 
 def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], *, name: str, bits: int,
                       meta: dict | None = None, query_energy: list[torch.Tensor] | None = None,
-                      **fit_kw) -> ModelKVProfile:
+                      layer_widths: list[tuple[int, int]] | None = None, **fit_kw) -> ModelKVProfile:
     """Fit one KVQuantProfile per layer (`kernels.kv_calibrate.fit_kv_profile`, keyword options in `fit_kw`).
 
     Args:
@@ -118,16 +123,25 @@ def fit_model_profile(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor]
         name: profile name (domain). bits: 2, 3 or 4. meta: extra JSON metadata.
         query_energy: optional per-layer [H, D] key-channel weights (collect_calibration_kv with
             with_query_energy=True), used by per-channel key widths (`k_channel_bits`).
+        layer_widths: optional per-layer (value bits, key row bits) (`actors.kv.layer_widths.allocate`):
+            layer l is fitted at those instead of `bits` / `k_channel_bits`; `bits` stays the profile's width.
     Raises:
-        ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy of the wrong length.
+        ValueError: from fit_kv_profile (shapes, bits, option ranges), or query_energy / layer_widths of the
+            wrong length.
     """
     from kernels.kv_calibrate import fit_kv_profile
 
     if query_energy is not None and len(query_energy) != len(k_layers):
         raise ValueError(f"query_energy has {len(query_energy)} layers; k_layers has {len(k_layers)}")
     qe = query_energy if query_energy is not None else [None] * len(k_layers)
-    layers = [fit_kv_profile(k, v, bits=bits, query_energy=e, **fit_kw) for k, v, e in zip(k_layers, v_layers, qe)]
+    if layer_widths is not None and len(layer_widths) != len(k_layers):
+        raise ValueError(f"layer_widths has {len(layer_widths)} layers; k_layers has {len(k_layers)}")
+    widths = layer_widths or [(bits, fit_kw.get("k_channel_bits"))] * len(k_layers)
+    layers = [fit_kv_profile(k, v, query_energy=e, **{**fit_kw, "bits": vb, "k_channel_bits": kb})
+              for k, v, e, (vb, kb) in zip(k_layers, v_layers, qe, widths)]
     opts = dict(fit_kw)
+    if layer_widths is not None:
+        opts["layer_widths"] = [list(w) for w in layer_widths]
     if fit_kw.get("k_channel_bits") is not None:
         opts["query_energy"] = query_energy is not None
     return ModelKVProfile(name=name, bits=bits, layers=layers, meta={**(meta or {}), "fit_options": opts})

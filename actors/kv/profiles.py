@@ -3,7 +3,8 @@
 A model profile is one `kernels.kv_profile.KVQuantProfile` per layer (KVQuant, arXiv 2401.18079: per-channel
 pre-RoPE key scales and non-uniform codebooks calibrated offline), calibrated on one text domain
 (`moeray calibrate`, actors/kv/calibration.py). Invariants (checked in `ModelKVProfile.__post_init__`): every
-layer has the same bits, (H, D), outlier counts and key row bytes, so one profile has one page layout.
+layer has the same (H, D) and outlier counts; a layer's value width and key row bytes may differ from another's
+(each layer has its own page layout).
 On disk it is two files side by side:
   <stem>.safetensors   tensors `layers.<l>.<field>` (fields of KVQuantProfile.to_tensors)
   <stem>.json          metadata: format, version, domain, bits, shapes, outlier counts, calibration data
@@ -36,12 +37,15 @@ class ModelKVProfile:
 
     Fields:
         name: profile name (the calibration domain, e.g. "prose" or "code").
-        bits: code width, 2, 3 or 4 bits per element (same for every layer).
-        layers: one KVQuantProfile per layer, all with the same H, D, bits, outlier counts and key row bytes
-            (per-channel key widths `k_bits` may differ between layers and heads, their row sums may not).
+        bits: the profile's width, 2, 3 or 4: its name (`<domain>-<bits>bit`) and the `--kv-bits` it serves.
+            Layers may spend their bits differently (sensitivity-allocated layer widths,
+            `actors.kv.layer_widths`): a layer's value code width `layers[l].bits` (2, 3 or 4) and key row
+            bytes may differ from layer to layer; each layer has its own page layout
+            (`actors.kv.quantized_layout`).
+        layers: one KVQuantProfile per layer, all with the same H, D and outlier counts.
         meta: JSON-serialisable metadata (calibration files, tokens, options).
     Raises (in __post_init__):
-        ValueError: no layers, or layers disagreeing on bits / shapes / outlier counts.
+        ValueError: no layers, bits outside {2, 3, 4}, or layers disagreeing on shapes / outlier counts.
     """
 
     name: str
@@ -52,15 +56,14 @@ class ModelKVProfile:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError(f"profile {self.name!r} has no layers")
+        if self.bits not in (2, 3, 4):
+            raise ValueError(f"profile {self.name!r}: bits={self.bits} must be 2, 3 or 4")
         p0 = self.layers[0]
         for l, p in enumerate(self.layers):
-            if p.bits != self.bits:
-                raise ValueError(f"profile {self.name!r} layer {l}: bits={p.bits} != profile bits={self.bits}")
-            if (p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes) != \
-                    (p0.num_kv_heads, p0.head_dim, p0.n_outlier_k, p0.n_outlier_v, p0.k_packed_bytes):
-                raise ValueError(f"profile {self.name!r} layer {l}: (H, D, Ok, Ov, Pk)="
-                                 f"{(p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes)}"
-                                 " differs from layer 0")
+            if (p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v) != \
+                    (p0.num_kv_heads, p0.head_dim, p0.n_outlier_k, p0.n_outlier_v):
+                raise ValueError(f"profile {self.name!r} layer {l}: (H, D, Ok, Ov)="
+                                 f"{(p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v)} differs from layer 0")
 
     @property
     def num_layers(self) -> int:
@@ -70,6 +73,11 @@ class ModelKVProfile:
         """(bits, H, D, Ok, Ov): profiles with equal layouts can share one set of KV pages."""
         p = self.layers[0]
         return (self.bits, p.num_kv_heads, p.head_dim, p.n_outlier_k, p.n_outlier_v)
+
+    def layer_widths(self) -> list[tuple[int, int]]:
+        """Per layer (value code bits, key bits per head row): how the profile spends its bits."""
+        return [(p.bits, int(p.k_bits[0].long().sum()) if p.per_channel_keys else p.bits * p.head_dim)
+                for p in self.layers]
 
     def nbytes(self) -> int:
         """Bytes of every tensor of the profile (scales, zeros, codebooks, outlier indices), all layers."""

@@ -42,7 +42,7 @@ from actors.kv.page_tables import SequencePageTables
 from actors.kv.pool import MixedWidthPagePool
 from actors.kv.profile_choice import AUTO
 from actors.kv.profiles import ModelKVProfile
-from actors.kv.quantized_layout import PAGE_ALIGN, QuantizedKVSizes, arena_views, layout_key
+from actors.kv.quantized_layout import PAGE_ALIGN, QuantizedKVSizes, arena_views, layer_page_bytes, layout_key
 from actors.kv.quantized_sequences import QuantizedKVSequences, SequenceAllocator, SequenceState
 from kernels.cpu.attention import mixed_prefill_attention
 from kernels.kv_quant import dequantize_keys, dequantize_values, quantize_kv
@@ -159,8 +159,9 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         if page_bytes < 1 or page_bytes % (num_layers * PAGE_ALIGN):
             raise ValueError(f"page_bytes={page_bytes} must be a positive multiple of num_layers * {PAGE_ALIGN} "
                              f"= {num_layers * PAGE_ALIGN}")
-        bpt = {self._key[n]: p.layers[0].bytes_per_token() * num_layers for n, p in self.profiles.items()}
-        self.page_bytes, self.layer_page_bytes = page_bytes, page_bytes // num_layers
+        layer_bpt = {self._key[n]: [lp.bytes_per_token() for lp in p.layers] for n, p in self.profiles.items()}
+        bpt = {k: sum(b) for k, b in layer_bpt.items()}
+        self.page_bytes = page_bytes
         t_min = min(page_bytes // b for b in bpt.values())
         if num_pages is None:
             num_pages = -(-num_blocks * block_size // max(t_min, 1)) + 2
@@ -168,9 +169,10 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         self.num_pages = num_pages
         self.tables = SequencePageTables(self.pool)
         self.tokens_per_page = {k: self.pool.tokens_per_page(k) for k in bpt}
-        self.arena = [torch.zeros(num_pages, self.layer_page_bytes, dtype=torch.uint8, device=device)
-                      for _ in range(num_layers)]
-        self.views = {k: [arena_views(a, k, t, num_kv_heads, head_dim) for a in self.arena]
+        # each layer's page: the most any layout needs there (layers differ with allocated layer widths)
+        self.layer_page_bytes = layer_page_bytes(bpt, self.tokens_per_page, lambda k, l: layer_bpt[k][l])
+        self.arena = [torch.zeros(num_pages, pb, dtype=torch.uint8, device=device) for pb in self.layer_page_bytes]
+        self.views = {k: [arena_views(a, k[l], t, num_kv_heads, head_dim) for l, a in enumerate(self.arena)]
                       for k, t in self.tokens_per_page.items()}
         rows = sink_tokens + block_size
         h, d = num_kv_heads, head_dim
@@ -209,7 +211,7 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         """
         staging = self.staging_bytes_for(self.num_layers, self.max_sequences, self.sink_tokens, self.block_size,
                                          self.num_kv_heads, self.head_dim, self.dtype)
-        arena = self.num_pages * self.page_bytes
+        arena = self.num_pages * sum(self.layer_page_bytes)
         prof = sum(p.nbytes() for p in self.profiles.values())
         item = torch.empty(0, dtype=self.dtype).element_size()
         fp_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * item
@@ -232,7 +234,8 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
                 "kv_blocks_used": used_ids, "kv_blocks_admissible": self.allocator.num_free,
                 "kv_pages_total": self.num_pages, "kv_pages_free": self.pool.num_free,
                 "kv_pages_used": self.pool.allocator.num_used, "kv_page_bytes": self.page_bytes,
-                "kv_tokens_per_page": {k[0]: t for k, t in sorted(self.tokens_per_page.items(), reverse=True)},
+                "kv_tokens_per_page": dict(sorted(((p.bits, self.tokens_per_page[self._key[n]])
+                                                   for n, p in self.profiles.items()), reverse=True)),
                 "kv_sequences": len(self._seqs), "kv_staging_slots_free": len(self._free_slots)}
 
     # ------------------------------------------------------------------ attend

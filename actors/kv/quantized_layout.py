@@ -1,18 +1,21 @@
 """Byte layout of the quantized KV cache's pages, and the cache's size arithmetic (bytes, pages, sequences).
 
 Mixed bit widths, one byte pool (sub-page allocation, actors/kv/pool.py). Every layer has one uint8 arena of
-`num_pages` equal pages; page p is the same byte range in every layer's arena. A page holds T_b tokens of
-one width b (T_b = page bytes // bytes per token: 13 / 9 / 7 tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte
-pages), laid out as a `KVPages` block [v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)],
-so each width's `KVPages` is a set of strided views of the same arena (block stride = page bytes). Any free page
-serves any width; finishing returns whole pages; the only waste is page slack and each sequence's unfilled
-last page (measured below 5% on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of S
-tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at
-29-44% waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
+`num_pages` pages; page p of the pool is page p of every layer's arena and holds the same T_b tokens of one
+profile layout b in each (T_b = pool page bytes // that layout's bytes per token over all layers: 13 / 9 / 7
+tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte pages), laid out in each layer as a `KVPages` block
+[v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)], so each layout's `KVPages` is a set of
+strided views of the same arenas (block stride = the layer's page bytes). A layer's page bytes are the most any
+layout needs there (`layer_page_bytes`): with layer widths allocated by sensitivity (`actors.kv.layer_widths`: a
+layer's value bits and key row bytes differ from another's) the layers' pages differ in bytes, not in tokens.
+Any free page serves any width; finishing returns whole pages; the only waste is page slack and each sequence's
+unfilled last page (measured below 5% on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of
+S tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at 29-44%
+waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
 
 Invariants: a layer's page is a multiple of PAGE_ALIGN bytes, so every fp16 field of a page is 2-byte aligned;
-a width's fields [v_scale | k_outliers | v_outliers | k_codes | v_codes] of Tp tokens end inside the page
-(asserted in `arena_views`); profiles with equal `layout_key` share one layout, i.e. one set of views.
+a layout's fields [v_scale | k_outliers | v_outliers | k_codes | v_codes] of Tp tokens end inside the layer's
+page (asserted in `arena_views`); profiles with equal `layout_key` share one layout, i.e. one set of views.
 
 Shape legend: NP = pool pages, Tp = tokens per page of one width, H = KV heads, D = head_dim, S = block_size,
 Ns = sink tokens.
@@ -31,15 +34,25 @@ from kernels.kv_pages import KVPages
 PAGE_ALIGN = 16  # bytes; keeps every fp16 field of a page 2-byte aligned and rows friendly to vector loads
 
 
-def layout_key(profile: ModelKVProfile) -> tuple[int, int, int, int]:
-    """(bits, Ok, Ov, Pk): profiles with equal keys share one page layout (H and D are fixed per cache).
-    Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`)."""
-    bits, _, _, ok, ov = profile.layout()
-    return bits, ok, ov, profile.layers[0].k_packed_bytes
+def layout_key(profile: ModelKVProfile) -> tuple[tuple[int, int, int, int], ...]:
+    """Per layer (value bits, Ok, Ov, Pk): profiles with equal keys share one page layout (H and D are fixed per
+    cache). Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`);
+    value bits and Pk may differ between layers (sensitivity-allocated layer widths)."""
+    return tuple((p.bits, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes) for p in profile.layers)
+
+
+def layer_page_bytes(keys: Iterable[tuple], tokens_per_page: dict[tuple, int], layer_bytes_per_token) -> list[int]:
+    """Bytes of one page in each layer's arena: the most any layout needs there for its tokens per page, rounded up
+    to PAGE_ALIGN. keys: layout keys; tokens_per_page: {key: tokens}; layer_bytes_per_token(key, l): bytes."""
+    keys = list(keys)
+    n_layers = len(keys[0])
+    return [max(-(-tokens_per_page[k] * layer_bytes_per_token(k, l) // PAGE_ALIGN) * PAGE_ALIGN for k in keys)
+            for l in range(n_layers)]
 
 
 def arena_views(arena: torch.Tensor, key: tuple[int, int, int, int], tokens: int, h: int, d: int) -> KVPages:
-    """`KVPages` of one width over arena [NP, page bytes] uint8: strided views, no copy (layout in module doc)."""
+    """`KVPages` of one layer's layout over its arena [NP, page bytes] uint8: strided views, no copy (layout in
+    module doc). key: that layer's (value bits, Ok, Ov, Pk), an entry of `layout_key`."""
     bits, ok, ov, pk = key
     npg, pb = arena.shape
     p = packed_bytes(d, bits)
@@ -55,7 +68,7 @@ def arena_views(arena: torch.Tensor, key: tuple[int, int, int, int], tokens: int
         n = h * tokens * row
         fields[name] = arena[:, o:o + n].view(npg, h, tokens, row)
         o += n
-    assert o <= pb, (o, pb)  # tokens_per_page guarantees it
+    assert o <= pb, (o, pb)  # layer_page_bytes guarantees it
     return KVPages(**fields)
 
 
@@ -80,21 +93,24 @@ class QuantizedKVSizes:
     @staticmethod
     def pool_page_bytes(profiles: Iterable[ModelKVProfile], block_size: int, *,
                         mean_live_tokens: float = 400.0) -> int:
-        """Bytes of one pool page over all layers for these profiles (actors.kv.pool.choose_page_bytes per layer).
+        """Bytes of one pool page over all layers for these profiles (actors.kv.pool.choose_page_bytes over the
+        profiles' all-layer token sizes), a multiple of num_layers * PAGE_ALIGN.
 
-        The per-layer page lies in [largest token, S largest tokens] (so a page never costs more than one
-        logical block at the widest width) and minimises page slack plus half a page of tokens per sequence
-        of `mean_live_tokens` tokens. Raises: ValueError if profiles is empty.
+        The page lies in [largest token, S largest tokens] (so a page never costs more than one logical block at
+        the widest width) and minimises page slack plus half a page of tokens per sequence of
+        `mean_live_tokens` tokens. Each layer's arena then holds its share (`layer_page_bytes`).
+        Raises: ValueError if profiles is empty.
         """
         profiles = list(profiles)
         if not profiles:
             raise ValueError("profiles is empty")
-        per_layer = {layout_key(p): p.layers[0].bytes_per_token() for p in profiles}
-        top = max(per_layer.values())
-        start = -(-top // PAGE_ALIGN) * PAGE_ALIGN
-        hi = max(start, block_size * top // PAGE_ALIGN * PAGE_ALIGN)
-        pb = choose_page_bytes(per_layer, lo=start, hi=hi, step=PAGE_ALIGN, mean_live_tokens=mean_live_tokens)
-        return pb * profiles[0].num_layers
+        n_layers = profiles[0].num_layers
+        step = PAGE_ALIGN * n_layers
+        per_token = {layout_key(p): sum(lp.bytes_per_token() for lp in p.layers) for p in profiles}
+        top = max(per_token.values())
+        start = -(-top // step) * step
+        hi = max(start, block_size * top // step * step)
+        return choose_page_bytes(per_token, lo=start, hi=hi, step=step, mean_live_tokens=mean_live_tokens)
 
     @classmethod
     def max_concurrent_sequences(cls, budget_bytes: int, seq_len: int,

@@ -199,7 +199,7 @@ def test_per_channel_key_widths_prefill_decode_and_triton(tiny_quant_model, tmp_
         eng = _engine(tiny_quant_model, kv_bits=2, kv_profile=str(folder), max_model_len=64, kv_cache_bytes=2**21,
                       kernel_backend=backend)
         keys = set(eng.cache._key.values())
-        assert len(keys) == 2 and {kk[3] for kk in keys} == {-(-(2 * d + 9) // 8), -(-(2 * d + 2) // 8)}
+        assert len(keys) == 2 and {kk[0][3] for kk in keys} == {-(-(2 * d + 9) // 8), -(-(2 * d + 2) // 8)}
         if backend == "torch":
             eng.cache.default_profile = "prose"
             full = eng.prompt_logits(ids)

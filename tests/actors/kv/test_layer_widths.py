@@ -1,0 +1,82 @@
+"""Layer widths by sensitivity (`actors.kv.layer_widths`): the allocation's exact optimum on a hand-computed case,
+the budget it keeps, and profiles whose layers differ in value bits and key row bytes paging through the cache."""
+import pytest
+import torch
+
+from actors.kv.calibration import RECOMMENDED_FIT_OPTIONS, collect_calibration_kv, fit_model_profile
+from actors.kv.layer_widths import allocate, fit_allocated_profile, recipe_budget, row_bits
+from actors.kv.profiles import load_profile, save_profile
+from tests.actors.kv.test_kv_quant_cache import _decode_logits, _engine
+
+
+def test_allocate_finds_the_exact_optimum_within_the_budget():
+    # D = 8: a layer's row costs kb + 8 vb + 16 bits; (2, 16) 48, (2, 24) 56, (3, 16) 56, (3, 24) 64
+    key = [{16: 0.5, 24: 0.1}, {16: 0.05, 24: 0.04}]
+    val = [{2: 0.2, 3: 0.1}, {2: 0.3, 3: 0.01}]
+    # 3.5 bits per element x 2 D x 2 layers = 112 bits: the best pair is layer 0 (2, 24) 0.3 + layer 1 (3, 16) 0.06
+    assert allocate(key, val, 8, 3.5) == [(2, 24), (3, 16)]
+    # with room for everything, the most bits everywhere
+    assert allocate(key, val, 8, 4.0) == [(3, 24), (3, 24)]
+    # the cheapest rows only
+    assert allocate(key, val, 8, 3.0) == [(2, 16), (2, 16)]
+    with pytest.raises(ValueError, match="no layer widths fit"):
+        allocate(key, val, 8, 2.9)
+    with pytest.raises(ValueError, match="same"):
+        allocate(key, val[:1], 8, 3.5)
+
+
+def test_recipe_budget_and_row_bits():
+    assert row_bits(3, 216, 64) == 216 + 192 + 16
+    assert recipe_budget(3, 216, 64) == pytest.approx(424 / 128)
+    assert recipe_budget(3, None, 64) == pytest.approx((192 + 192 + 16) / 128)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model("qwen2_moe", str(tmp_path_factory.mktemp("lw")), num_layers=2)
+    eng = _engine(path, max_model_len=128)
+    ids = torch.randint(1, eng.model_cfg.vocab_size, (256,), generator=torch.Generator().manual_seed(4)).tolist()
+    k, v, qe = collect_calibration_kv(eng, ids, window=128, with_query_energy=True)
+    return path, eng, ids, k, v, qe
+
+
+def test_layers_of_different_widths_page_through_the_cache(tiny, tmp_path):
+    """Layer 0 at 2-bit values and a 2.5-bit key row, layer 1 at 4-bit values and 5-bit keys: each layer gets its
+    own page bytes for the same tokens per page; prefill equals decode; save / load keeps the widths."""
+    path, _, _, k, v, qe = tiny
+    d = k[0].shape[-1]
+    widths = [(2, 2 * d + d // 2), (4, 5 * d)]
+    prof = fit_model_profile(k, v, name="prose", bits=3, query_energy=qe, layer_widths=widths,
+                             **RECOMMENDED_FIT_OPTIONS[3])
+    assert prof.layer_widths() == widths and [p.bits for p in prof.layers] == [2, 4]
+    save_profile(prof, str(tmp_path / "prose-3bit"))
+    back = load_profile(str(tmp_path / "prose-3bit"))
+    assert back.layer_widths() == widths and back.meta["fit_options"]["layer_widths"] == [list(w) for w in widths]
+    eng = _engine(path, kv_bits=3, kv_profile=str(tmp_path), max_model_len=128, kv_cache_bytes=2**21)
+    c = eng.cache
+    bpt = [p.bytes_per_token() for p in back.layers]
+    (tpp,) = c.tokens_per_page.values()
+    assert bpt[0] < bpt[1] and c.layer_page_bytes[0] < c.layer_page_bytes[1]
+    assert all(tpp * b <= pb < tpp * b + 16 for b, pb in zip(bpt, c.layer_page_bytes))
+    assert c.memory_stats()["kv_bytes_pages"] == c.num_pages * sum(c.layer_page_bytes)
+    ids = torch.randint(1, 300, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = eng.prompt_logits(ids)
+    torch.testing.assert_close(_decode_logits(eng, ids, 7), full[6:], atol=2e-4, rtol=1e-4)
+
+
+def test_fit_allocated_profile_keeps_the_recipe_budget(tiny):
+    path, eng, ids, k, v, qe = tiny
+    d = k[0].shape[-1]
+    opts = {**RECOMMENDED_FIT_OPTIONS[3], "k_channel_bits": 3 * d + 8}
+    ticks = []
+    prof = fit_allocated_profile(eng.model, k, v, [ids[:64], ids[64:128]], name="prose", bits=3, query_energy=qe,
+                                 progress=ticks.append, **opts)
+    widths = prof.layer_widths()
+    assert sum(row_bits(vb, kb, d) for vb, kb in widths) <= recipe_budget(3, 3 * d + 8, d) * 2 * d * len(widths)
+    sens = prof.meta["layer_sensitivity"]
+    assert len(sens["key"]) == len(widths) == len(sens["value"]) and set(sens["value"][0]) == {"2", "3", "4"}
+    assert all(x >= -1e-6 for layer in sens["key"] for x in layer.values()) and ticks
+    with pytest.raises(ValueError, match="k_channel_bits"):
+        fit_allocated_profile(eng.model, k, v, [ids[:64]], name="p", bits=3, **{**opts, "k_channel_bits": None})
