@@ -64,7 +64,8 @@ def build_engine_kv_cache(cfg, mc, *, device: torch.device | str = "cpu") -> Qua
                                                     mc.head_dim, cfg.torch_dtype)
     fixed += sum(p.nbytes() for p in profiles.values())
     page = QuantizedPagedKVCache.pool_page_bytes(profiles.values(), cfg.block_size)
-    num_pages = max(0, cfg.kv_cache_bytes - fixed) // page
+    arena_page = sum(QuantizedPagedKVCache.layer_page_bytes_for(profiles.values(), page))  # what a page allocates
+    num_pages = max(0, cfg.kv_cache_bytes - fixed) // arena_page
     per_page = [page // QuantizedPagedKVCache.bytes_per_block_for(p, 1) for p in profiles.values()]
     t_min, t_max = min(per_page), max(per_page)
     need_blocks = math.ceil(cfg.max_model_len / cfg.block_size)

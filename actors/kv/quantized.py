@@ -171,6 +171,7 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         self.tokens_per_page = {k: self.pool.tokens_per_page(k) for k in bpt}
         # each layer's page: the most any layout needs there (layers differ with allocated layer widths)
         self.layer_page_bytes = layer_page_bytes(bpt, self.tokens_per_page, lambda k, l: layer_bpt[k][l])
+        # == layer_page_bytes_for(profiles, page_bytes): the builder sizes the pool with it
         self.arena = [torch.zeros(num_pages, pb, dtype=torch.uint8, device=device) for pb in self.layer_page_bytes]
         self.views = {k: [arena_views(a, k[l], t, num_kv_heads, head_dim) for l, a in enumerate(self.arena)]
                       for k, t in self.tokens_per_page.items()}

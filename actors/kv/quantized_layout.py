@@ -112,6 +112,15 @@ class QuantizedKVSizes:
         hi = max(start, block_size * top // step * step)
         return choose_page_bytes(per_token, lo=start, hi=hi, step=step, mean_live_tokens=mean_live_tokens)
 
+    @staticmethod
+    def layer_page_bytes_for(profiles: Iterable[ModelKVProfile], page_bytes: int) -> list[int]:
+        """Each layer's page bytes in a pool of `page_bytes`-byte pages (over all layers) for these profiles: what
+        the arenas allocate per pool page (`layer_page_bytes`; at most page_bytes in all when every layer is
+        the same, a little more when layer widths differ between profiles of one pool)."""
+        per_layer = {layout_key(p): [lp.bytes_per_token() for lp in p.layers] for p in profiles}
+        tokens = {k: page_bytes // sum(b) for k, b in per_layer.items()}
+        return layer_page_bytes(per_layer, tokens, lambda k, l: per_layer[k][l])
+
     @classmethod
     def max_concurrent_sequences(cls, budget_bytes: int, seq_len: int,
                                  profile: ModelKVProfile | Sequence[ModelKVProfile], *, block_size: int = 16,
@@ -136,9 +145,10 @@ class QuantizedKVSizes:
                                         p0.head_dim, dtype)
         quant = max(0, seq_len - sink_tokens)
         costs = []
+        arena_page = sum(cls.layer_page_bytes_for(profs, page_bytes))  # bytes a pool page allocates
         for p in profs:
             per_page = page_bytes // sum(lp.bytes_per_token() for lp in p.layers)
-            costs.append((-(-quant // per_page) + 1) * page_bytes + staging)
+            costs.append((-(-quant // per_page) + 1) * arena_page + staging)
         fixed = num_profiles * profile.nbytes() if single else sum(p.nbytes() for p in {id(p): p for p in profs}.values())
         left = budget_bytes - fixed
         if left <= 0:

@@ -64,6 +64,16 @@ def test_layers_of_different_widths_page_through_the_cache(tiny, tmp_path):
     ids = torch.randint(1, 300, (45,), generator=torch.Generator().manual_seed(5)).tolist()
     full = eng.prompt_logits(ids)
     torch.testing.assert_close(_decode_logits(eng, ids, 7), full[6:], atol=2e-4, rtol=1e-4)
+    # a second profile of the same width with the widths the other way round shares the pool: each layer's page
+    # holds the larger of the two, and the arenas still fit the KV budget they were sized from
+    save_profile(fit_model_profile(k, v, name="code", bits=3, query_energy=qe, layer_widths=widths[::-1],
+                                   **RECOMMENDED_FIT_OPTIONS[3]), str(tmp_path / "code-3bit"))
+    both = _engine(path, kv_bits=3, kv_profile=str(tmp_path), max_model_len=128, kv_cache_bytes=2**21).cache
+    assert len(set(both._key.values())) == 2
+    assert both.layer_page_bytes == [max(a, b) for a, b in zip(c.layer_page_bytes, c.layer_page_bytes[::-1])]
+    assert both.memory_stats()["kv_bytes_reserved"] <= 2**21
+    assert torch.equal(_decode_logits(_engine(path, kv_bits=3, kv_profile=str(tmp_path), max_model_len=128,
+                                              kv_cache_bytes=2**21), ids, 7, "prose"), _decode_logits(eng, ids, 7))
 
 
 def test_fit_allocated_profile_keeps_the_recipe_budget(tiny):
