@@ -21,8 +21,8 @@ of at most `max_bytes` never blocks (each socket's send and receive buffers toge
 sending everything before reading cannot deadlock for any world size; TCP keeps each pair's messages in order,
 so call k's bytes never mix with call k + 1's. Split in two (`post`: the sends; `complete`: the reads), a call
 can be in flight while this rank computes: two-batch overlap (`actors.model.two_batch`) keeps up to `MAX_POSTED`
-posted, completed in post order; `all_to_all_single` is `post` then `complete`. A closed connection (the peer exited: its kernel resets it) raises
-at once; a silent peer (a lost node) raises after `timeout_s`.
+posted, completed in post order; `all_to_all_single` is `post` then `complete`. A closed connection (the peer
+exited: its kernel resets it) raises at once; a silent peer (a lost node) raises after `timeout_s`.
 
 Bring-up (`setup`, over the process group's TCPStore). Every rank listens on its node IP (port from the kernel),
 publishes it, connects to every lower rank (sending its rank number) and accepts every higher one; each rank
