@@ -63,12 +63,15 @@ class MicroBatch:
 
 
 def split_gating(g: GatingBatch | None, n: int) -> tuple[GatingBatch | None, GatingBatch | None]:
-    """The step's gating batch as the micro-batches' (tokens [0, n) and [n, T)); None stays None."""
+    """The step's gating batch as the micro-batches' (tokens [0, n) and [n, T)), each naming `g` as its step (the
+    gating router's per-step state treats them as one step); None stays None."""
     if g is None:
         return None, None
     pol = g.policy_T
-    return (GatingBatch(slots_T=g.slots_T[:n], positions_T=g.positions_T[:n], policy_T=None if pol is None else pol[:n]),
-            GatingBatch(slots_T=g.slots_T[n:], positions_T=g.positions_T[n:], policy_T=None if pol is None else pol[n:]))
+    return (GatingBatch(slots_T=g.slots_T[:n], positions_T=g.positions_T[:n], policy_T=None if pol is None else pol[:n],
+                        step=g),
+            GatingBatch(slots_T=g.slots_T[n:], positions_T=g.positions_T[n:], policy_T=None if pol is None else pol[n:],
+                        step=g))
 
 
 def split_step(ids_T: torch.Tensor, pos_T: torch.Tensor, meta: AttentionMetadata,

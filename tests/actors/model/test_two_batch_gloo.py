@@ -2,8 +2,10 @@
 `two_batch_overlap` on equal those with it off and those of one engine holding every request (fp32, greedy), over
 gloo alone (transport "torch": async_op all-to-alls) and over the TCP transport (post / complete), at batch 8 and 9
 (odd halves), with the ranks holding different numbers of sequences, a rank with one sequence (its second
-micro-batch empty) and one with none, with a padding gating policy (`dynamic`), a per-sequence one (`sticky`) and
-fully replicated experts (no collective). The model has a shared expert and a dense layer between MoE layers."""
+micro-batch empty) and one with none, with a padding gating policy (`dynamic`), a per-sequence one (`sticky`),
+fully replicated experts (no collective) and a 4-bit KV cache, and the same router thrash metric (the shipped model and its profiles; prompts that fill a
+block during the TBO steps, so blocks seal there). The tiny model has a shared expert and a dense layer between MoE
+layers."""
 from __future__ import annotations
 
 import torch
@@ -13,20 +15,27 @@ import torch.multiprocessing as mp
 from actors.rank.rendezvous import host_store, join_store
 
 MAX_TOKENS = 5
-# (sequences on rank 0, on rank 1, gating policy, redundant experts)
-CASES = {"torch": [(8, 3, "exact", False), (9, 0, "dynamic", False), (9, 4, "exact", True)],
-         "tcp": [(9, 1, "exact", False), (8, 0, "sticky", False)]}
+# (sequences on rank 0, on rank 1, gating policy, redundant experts, kv_bits: None = the tiny model, full precision)
+CASES = {"torch": [(8, 3, "exact", False, None), (9, 0, "dynamic", False, None), (9, 4, "exact", True, None),
+                   (9, 2, "exact", False, 4)],
+         "tcp": [(9, 1, "exact", False, None), (8, 0, "sticky", False, None)]}
 
 
-def _prompt(rank: int, i: int) -> list[int]:
-    return [(11 * rank + 7 * i + 3 * j) % 300 + 1 for j in range(3 + (i + rank) % 5)]
+def _prompt(rank: int, i: int, base: int) -> list[int]:
+    return [(11 * rank + 7 * i + 3 * j) % 300 + 1 for j in range(base + (i + rank) % 5)]
 
 
-def _cfg(model_dir: str, gating: str, tbo: bool):
+def _model(tiny_dir: str, kv_bits) -> str:
+    from cluster.config import DEFAULT_MODEL
+
+    return tiny_dir if kv_bits is None else DEFAULT_MODEL
+
+
+def _cfg(model_dir: str, gating: str, tbo: bool, kv_bits=None):
     from actors.engine.config import EngineConfig
 
-    return EngineConfig(model=model_dir, max_model_len=64, kv_cache_bytes=2**21, gating=gating, max_num_seqs=16,
-                        two_batch_overlap=tbo)
+    return EngineConfig(model=model_dir, max_model_len=64, kv_cache_bytes=2**22, gating=gating, max_num_seqs=16,
+                        two_batch_overlap=tbo, kv_bits=kv_bits)
 
 
 def _placement(model_dir: str, world: int, redundant: bool):
@@ -40,12 +49,12 @@ def _placement(model_dir: str, world: int, redundant: bool):
     return ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, world)
 
 
-def _add(eng, rank: int, n: int) -> None:
+def _add(eng, rank: int, n: int, base: int) -> None:
     from actors.engine.messages import GenerateRequest
     from actors.engine.sampling import SamplingParams
 
     for i in range(n):
-        eng.add_request(GenerateRequest(request_id=f"r{rank}.{i}", prompt_ids=_prompt(rank, i), params=SamplingParams(
+        eng.add_request(GenerateRequest(request_id=f"r{rank}.{i}", prompt_ids=_prompt(rank, i, base), params=SamplingParams(
             temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True).to_dict()))
 
 
@@ -65,11 +74,12 @@ def _worker(rank, world, port, model_dir, transport, q):
     tcp = TcpAllToAll.setup(store, rank, world, "127.0.0.1", timeout_s=30.0) if transport == "tcp" else None
     assert (tcp is not None) == (transport == "tcp")
     results = []
-    for counts0, counts1, gating, redundant in CASES[transport]:
+    for counts0, counts1, gating, redundant, kv_bits in CASES[transport]:
+        model = _model(model_dir, kv_bits)
         for tbo in (False, True):
-            eng = RankEngine(_cfg(model_dir, gating, tbo), _placement(model_dir, world, redundant), rank,
+            eng = RankEngine(_cfg(model, gating, tbo, kv_bits), _placement(model, world, redundant), rank,
                              dist.group.WORLD, shm=tcp)
-            _add(eng, rank, (counts0, counts1)[rank])
+            _add(eng, rank, (counts0, counts1)[rank], 3 if kv_bits is None else 13)
             toks: dict = {}
             while True:  # the lockstep loop's agreement: any work, the largest step, any prefill
                 plan = eng.plan()
@@ -80,7 +90,8 @@ def _worker(rank, world, port, model_dir, transport, q):
                 if not work:
                     break
                 _collect(eng.run(plan, t_max, decode_only=not prefill), toks)
-            results.append((tbo, toks, eng.model.two_batch_steps))
+            thrash = [round(t, 9) if t == t else None for t in eng.model.gating_router.stats()["thrash"]]
+            results.append((tbo, toks, eng.model.two_batch_steps, thrash))
     if tcp is not None:
         assert tcp.calls > 0 and tcp.outstanding == 0
         tcp.close()
@@ -89,12 +100,13 @@ def _worker(rank, world, port, model_dir, transport, q):
     dist.destroy_process_group()
 
 
-def _one_rank(model_dir: str, counts: tuple[int, int], gating: str) -> dict:
+def _one_rank(model_dir: str, counts: tuple[int, int], gating: str, kv_bits) -> dict:
     from actors.engine.engine import RankEngine
 
-    eng = RankEngine(_cfg(model_dir, gating, False), _placement(model_dir, 1, False), 0, None)
+    model = _model(model_dir, kv_bits)
+    eng = RankEngine(_cfg(model, gating, False, kv_bits), _placement(model, 1, False), 0, None)
     for r, n in enumerate(counts):
-        _add(eng, r, n)
+        _add(eng, r, n, 3 if kv_bits is None else 13)
     toks: dict = {}
     while eng.has_work:
         _collect(eng.step(), toks)
@@ -112,16 +124,17 @@ def _run(model_dir: str, transport: str) -> None:
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for i, (c0, c1, gating, _) in enumerate(CASES[transport]):
-        ref = _one_rank(model_dir, (c0, c1), gating)
+    for i, (c0, c1, gating, _, kv_bits) in enumerate(CASES[transport]):
+        ref = _one_rank(model_dir, (c0, c1), gating, kv_bits)
         assert len(ref) == c0 + c1 and all(len(t) == MAX_TOKENS for t in ref.values())
         for rank in (0, 1):
-            (off, toks_off, steps_off), (on, toks_on, steps_on) = got[rank][2 * i], got[rank][2 * i + 1]
+            (off, toks_off, steps_off, th_off), (on, toks_on, steps_on, th_on) = got[rank][2 * i], got[rank][2 * i + 1]
             assert not off and on
             assert steps_off == 0 and steps_on == MAX_TOKENS - 1, (rank, steps_on)  # every decode step, every rank
             mine = {k: v for k, v in ref.items() if k.startswith(f"r{rank}.")}
             assert toks_off == mine, (transport, i, rank, "no TBO vs one rank")
             assert toks_on == toks_off, (transport, i, rank, "TBO vs no TBO")
+            assert th_on == th_off, (transport, i, rank, "router thrash, TBO vs no TBO")  # both halves accounted
 
 
 def test_two_batch_overlap_over_gloo_equals_one_batch_and_one_rank(tiny_model_dir):
