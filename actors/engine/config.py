@@ -63,8 +63,8 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
     # two-batch overlap (actors.model.two_batch): a decode-only step whose agreed largest per-rank batch is at least
     # tbo_min_batch runs as two micro-batches, one's all-to-all in flight while the other computes; only over a
-    # split transport (TCP across nodes, gloo), never the same-node shared memory. Off by default: measured no gain
-    # on the 2-core test machine (BENCHMARKS.md "Two nodes")
+    # split transport (TCP across nodes, gloo), never the same-node shared memory. Off by default: slower, not
+    # faster, on the 2-core test VM (BENCHMARKS.md "Two-batch overlap across nodes")
     two_batch_overlap: bool = False
     tbo_min_batch: int = 8
 

@@ -12,6 +12,9 @@ on it. A `RoutingObserver` (the expert store's prefetch runtime, a calibration r
 `begin_step` first, then per MoE layer `on_hidden` (the residual stream entering the FFN) and `on_route`
 (the layer's routed ids).
 
+Two-batch overlap (`two_batch_min`, `actors.model.two_batch`): a decode-only step of agreed size may run as two
+micro-batches whose expert exchanges overlap the other's compute; `forward` decides from agreed values only.
+
 Shape legend: T = tokens in the step (all sequences flattened), D = hidden, H = query heads,
 Hkv = KV heads, Dh = head_dim, E = routed experts, K = experts per token, V = vocab.
 """
