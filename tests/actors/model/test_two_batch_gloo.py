@@ -1,11 +1,11 @@
 """Two-batch overlap (`actors.model.two_batch`) over real 2-rank groups (no Ray): the tokens of engines with
-`two_batch_overlap` on equal those with it off and those of one engine holding every request (fp32, greedy), over
-gloo alone (transport "torch": async_op all-to-alls) and over the TCP transport (post / complete), at batch 8 and 9
-(odd halves), with the ranks holding different numbers of sequences, a rank with one sequence (its second
-micro-batch empty) and one with none, with a padding gating policy (`dynamic`), a per-sequence one (`sticky`),
-fully replicated experts (no collective) and a 4-bit KV cache, and the same router thrash metric (the shipped model and its profiles; prompts that fill a
-block during the TBO steps, so blocks seal there). The tiny model has a shared expert and a dense layer between MoE
-layers."""
+`two_batch_overlap` on equal those with it off and those of one engine holding every request (fp32, greedy), and the
+router thrash metric is the same with it on and off, over gloo alone (transport "torch": async_op all-to-alls) and
+over the TCP transport (post / complete), at batch 8 and 9 (odd halves), with the ranks holding different numbers of
+sequences, a rank with one sequence (its second micro-batch empty) and one with none, with a padding gating policy
+(`dynamic`), a per-sequence one (`sticky`), fully replicated experts (no collective) and a 4-bit KV cache (the
+shipped model and its profiles; prompts that fill a block during the TBO steps, so blocks seal there). The tiny
+model has a shared expert and a dense layer between MoE layers."""
 from __future__ import annotations
 
 import torch
@@ -54,8 +54,8 @@ def _add(eng, rank: int, n: int, base: int) -> None:
     from actors.engine.sampling import SamplingParams
 
     for i in range(n):
-        eng.add_request(GenerateRequest(request_id=f"r{rank}.{i}", prompt_ids=_prompt(rank, i, base), params=SamplingParams(
-            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True).to_dict()))
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True).to_dict()
+        eng.add_request(GenerateRequest(request_id=f"r{rank}.{i}", prompt_ids=_prompt(rank, i, base), params=params))
 
 
 def _collect(outs, toks: dict) -> None:
