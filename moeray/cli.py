@@ -71,6 +71,8 @@ def add_engine_args(p) -> None:
                         "logged at start and in the stats / moeray_redundant_expert_bytes): when one rank dies, its "
                         "requests end with a retriable error and the survivors go on serving every other stream "
                         "(elastic EP); without it a rank loss rebuilds the whole group")
+    p.add_argument("--two-batch-overlap", action="store_true", help="decode steps of >= 8 sequences per rank as two "
+                   "micro-batches, one's all-to-all in flight while the other computes (across nodes; README)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens; unset: the model's max_position_embeddings (as vLLM)")
     p.add_argument("--max-num-seqs", type=int, default=_CLUSTER["max_num_seqs"].default,
@@ -181,7 +183,7 @@ def engine_kwargs(a) -> dict:
             "weight_bits": a.weight_bits, "expert_cache_capacity": a.expert_cache, "prefetch": a.prefetch,
             "resident_experts": a.resident_experts, "kernel_backend": a.kernel_backend, "gating": a.gating,
             "weight_storage": a.weight_storage, "enable_chunked_prefill": a.enable_chunked_prefill,
-            "enable_prefix_caching": a.prefix_caching}
+            "enable_prefix_caching": a.prefix_caching, "two_batch_overlap": a.two_batch_overlap}
     if a.kv_bits is not None:  # a profile the ranks cannot load fails here, not in their setup after Ray started
         from actors.kv.profiles import load_served_profiles
 
@@ -200,7 +202,6 @@ def engine_kwargs(a) -> dict:
     kw["engine_options"] = {k: v for k, v in opts.items() if v is not None}
     if a.kernel_backend == "triton":
         import torch
-
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the local Ray workers
     return kw

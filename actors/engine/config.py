@@ -61,6 +61,12 @@ class EngineConfig:
     gating: str = "exact"
     gating_options: dict | None = None
     device: str = "auto"  # "auto": cuda if available (the actor's visible GPU), else cpu
+    # two-batch overlap (actors.model.two_batch): a decode-only step whose agreed largest per-rank batch is at least
+    # tbo_min_batch runs as two micro-batches, one's all-to-all in flight while the other computes; only over a
+    # split transport (TCP across nodes, gloo), never the same-node shared memory. Off by default: slower, not
+    # faster, on the 2-core test VM (BENCHMARKS.md "Two-batch overlap across nodes")
+    two_batch_overlap: bool = False
+    tbo_min_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -88,6 +94,8 @@ class EngineConfig:
         if self.max_batched_tokens < self.max_num_seqs:
             raise ValueError(f"max_batched_tokens={self.max_batched_tokens} must be >= max_num_seqs="
                              f"{self.max_num_seqs} (a full decode batch must fit one step)")
+        if self.tbo_min_batch < 2:
+            raise ValueError(f"tbo_min_batch={self.tbo_min_batch} must be >= 2 (two micro-batches of >= 1 sequence)")
         self.gating_config()  # validates policy and options
 
     def gating_config(self) -> GatingConfig:

@@ -86,7 +86,8 @@ class RankEngine(PlacementMixin, BalancingMixin):
                                              max_experts_per_token=router.state.k_max)
         self.model = MoEModel(mc, weights, self.dispatcher, experts, gating_router=router,
                               observer=NO_OBSERVER if self.expert_runtime is None else self.expert_runtime,
-                              max_positions=cfg.max_model_len)
+                              max_positions=cfg.max_model_len,
+                              two_batch_min=cfg.tbo_min_batch if cfg.two_batch_overlap else None)
         self._free_slots = list(range(cfg.max_num_seqs - 1, -1, -1))
         self._slot_of: dict[str, int] = {}
         self.cache = build_kv_cache(cfg, mc, self.device)
@@ -230,12 +231,14 @@ class RankEngine(PlacementMixin, BalancingMixin):
         return plan
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan, max_tokens_per_rank: int | None = None) -> list[TokenOutput]:
+    def run(self, plan: StepPlan, max_tokens_per_rank: int | None = None, decode_only: bool = False
+            ) -> list[TokenOutput]:
         """Forward the planned step, sample, return the outputs. `max_tokens_per_rank`: the largest token count
         of this step on any rank of the EP group (agreed by the lockstep loop), which lets the dispatcher use
-        fixed-capacity all-to-alls; None: unknown (counts are exchanged)."""
+        fixed-capacity all-to-alls; None: unknown (counts are exchanged). `decode_only`: agreed, no rank has a
+        prefill in this step (two-batch overlap may run, `two_batch_overlap`)."""
         seqs, meta = plan.seqs, plan.meta
-        ctx = StepContext(gating=plan.gating, step_max_tokens=max_tokens_per_rank)
+        ctx = StepContext(gating=plan.gating, step_max_tokens=max_tokens_per_rank, decode_only=decode_only)
         t1 = time.perf_counter()
         h = self.model.forward(plan.ids, plan.pos, self.cache, meta, ctx)
         t2 = time.perf_counter()
@@ -328,7 +331,7 @@ class RankEngine(PlacementMixin, BalancingMixin):
             "kv_blocks_total": a.num_blocks, "kv_blocks_free": a.num_blocks - a.num_used,
             "kv_blocks_admissible": a.num_free,
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-            "comm_s": self.dispatcher.comm_s, **self.timing,
+            "comm_s": self.dispatcher.comm_s, "two_batch_steps": self.model.two_batch_steps, **self.timing,
             **(self.scheduler.prefix.stats() if self.scheduler.prefix is not None else {}),
             "routing": self.model.gating_router.stats(),
         }

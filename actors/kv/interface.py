@@ -7,7 +7,9 @@ Contract (what attention and the scheduler rely on, whatever the implementation)
   * a block's data is valid only while the sequence holds the block; freeing the last reference of a
     sequence's blocks ends it (a cache may keep per-sequence state, released when its first block is freed);
   * `attend` is called once per layer per step, every layer with the same `meta`; it writes the step's new
-    K/V before attending, so each token sees itself and the tokens before it (causal).
+    K/V before attending, so each token sees itself and the tokens before it (causal). Under two-batch overlap
+    (`actors.model.two_batch`) a decode step is two micro-batches of disjoint sequences, each with its own `meta`
+    (`AttentionMetadata.split`): `attend` then runs once per layer per micro-batch, the two metas alternating.
 Implementations: actors/kv/paged.py (`PagedKVCache`, full precision), actors/kv/quantized.py
 (`QuantizedPagedKVCache`, sub-4-bit pages).
 

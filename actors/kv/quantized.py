@@ -184,8 +184,7 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         self._free_slots = list(range(max_sequences - 1, -1, -1))
         self._seqs: dict[int, SequenceState] = {}  # first block id -> state
         self._bound: dict[int, str] = {}  # first block id -> profile chosen before its first step
-        self._plan_meta = None
-        self._plan = None
+        self._plan_meta = self._plan = self._other_plan = None  # this step's plan (and the other micro-batch's)
         self._committed: tuple[int, int] | None = None  # (outstanding pages, known blocks), see _budget_free_blocks
         if backend == "triton":
             from kernels.paged_attention_triton import paged_decode_attention_triton as attn
@@ -254,8 +253,12 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
             ValueError: a step that does not continue a sequence where it stands (decode of a sealed position,
                 prefill not starting at the sequence's length).
         """
-        if meta is not self._plan_meta:
-            self._plan, self._plan_meta = self._make_plan(meta), meta
+        if meta is not self._plan_meta:  # a new step, or the other micro-batch's (two-batch overlap): its own plan
+            if self._other_plan is not None and self._other_plan[0] is meta:
+                (self._plan_meta, self._plan), self._other_plan = self._other_plan, (self._plan_meta, self._plan)
+            else:
+                self._other_plan = None if self._plan_meta is None else (self._plan_meta, self._plan)
+                self._plan, self._plan_meta = self._make_plan(meta), meta
         out = torch.zeros_like(q_THD)
         if self._plan["copies"] is not None:  # copy-on-write, before any write of this layer
             src, dst = self._plan["copies"]

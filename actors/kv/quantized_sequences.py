@@ -20,10 +20,11 @@ Invariants:
   * `_committed` caches what the live sequences will still claim from the pool; every change of a sequence
     (plan, new sequence, bind, fork, truncate, release) resets it to None;
   * the step plan is built once per step, by the first layer's `attend` (keyed by the `meta` object), and
-    shared by every layer; fork and truncate drop a cached plan.
+    shared by every layer (two-batch overlap: one per micro-batch, the two kept side by side while their layers
+    alternate); fork and truncate drop the cached plans.
 `QuantizedKVSequences` is the bookkeeping half of `QuantizedPagedKVCache` (actors/kv/quantized.py): the cache's
 constructor sets every attribute it reads (geometry, `profiles`, `tables`, `pool`, `allocator`, staging rows,
-RoPE tables, `_seqs`, `_bound`, `_free_slots`, `_plan_meta`, `_committed`).
+RoPE tables, `_seqs`, `_bound`, `_free_slots`, `_plan_meta`, `_other_plan`, `_committed`).
 """
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ class QuantizedKVSequences:
                         nblocks=-(-st.length // self.block_size))
         self._seqs[dst_seq] = new
         self.tables.fork(src_seq, dst_seq)
-        self._plan_meta, self._committed = None, None
+        self._plan_meta, self._other_plan, self._committed = None, None, None
         for sk, sv in zip(self.stage_k, self.stage_v):
             sk[new.slot] = sk[st.slot]
             sv[new.slot] = sv[st.slot]
@@ -217,7 +218,7 @@ class QuantizedKVSequences:
         st.length = num_tokens
         keep = -(-num_tokens // self.block_size)
         st.nblocks = min(st.nblocks, max(keep, 1))
-        self._plan_meta, self._committed = None, None  # a cached plan no longer describes the sequence
+        self._plan_meta, self._other_plan, self._committed = None, None, None  # cached plans are stale
         return keep
 
     # ------------------------------------------------------------------ the step plan (once per step)

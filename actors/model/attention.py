@@ -42,6 +42,28 @@ class AttentionMetadata:
     prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     decode_context_lens_host: list[int] | None = None
 
+    def split(self, n: int) -> tuple["AttentionMetadata", "AttentionMetadata"]:
+        """A decode-only step's metadata as two micro-batches (`actors.model.two_batch`): sequences [0, n) and
+        [n, B), each with its own slots, block tables, context lengths and token indices from 0 (the step's layout,
+        `actors.engine.step_plan`: token i is decode sequence i's one new token). Either half may be empty.
+
+        Raises:
+            ValueError: the step has prefills, a token that is not a decode token, or n outside [0, B].
+        """
+        B = self.decode_tokens.numel()
+        if self.prefills or self.slot_mapping.numel() != B or not 0 <= n <= B:
+            raise ValueError(f"split(n={n}): needs a decode-only step (one token per sequence) and n in [0, B={B}]; "
+                             f"got {len(self.prefills)} prefills and {self.slot_mapping.numel()} tokens")
+        lens = self.decode_context_lens_host
+
+        def part(a: int, b: int) -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=self.slot_mapping[a:b], decode_tokens=self.decode_tokens[a:b] - a,
+                decode_block_tables=self.decode_block_tables[a:b], decode_context_lens=self.decode_context_lens[a:b],
+                decode_context_lens_host=None if lens is None else lens[a:b])
+
+        return part(0, n), part(n, B)
+
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """cache [N, S, Hkv, Dh], block_table [..., M] -> [..., M*S, Hkv, Dh]."""

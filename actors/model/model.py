@@ -12,6 +12,9 @@ on it. A `RoutingObserver` (the expert store's prefetch runtime, a calibration r
 `begin_step` first, then per MoE layer `on_hidden` (the residual stream entering the FFN) and `on_route`
 (the layer's routed ids).
 
+Two-batch overlap (`two_batch_min`, `actors.model.two_batch`): a decode-only step of agreed size may run as two
+micro-batches whose expert exchanges overlap the other's compute; `forward` decides from agreed values only.
+
 Shape legend: T = tokens in the step (all sequences flattened), D = hidden, H = query heads,
 Hkv = KV heads, Dh = head_dim, E = routed experts, K = experts per token, V = vocab.
 """
@@ -33,6 +36,7 @@ from kernels.cpu import linear
 from kernels.gating import topk_softmax_ref
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
+from actors.model.two_batch import forward_two_batch
 
 
 class RoutingObserver(Protocol):
@@ -71,12 +75,14 @@ class StepContext:
     gating: which gating slot (and policy) each token has (None: the model's own exact top-k routing, no
         per-sequence state). step_max_tokens: the largest token count of this step on any rank of the EP group,
         agreed by the lockstep loop (the dispatcher's fixed capacity; None: unknown, counts are exchanged).
-    observer: this forward's routing observer in place of the model's (None: the model's).
+    observer: this forward's routing observer in place of the model's (None: the model's). decode_only: agreed by
+        the lockstep loop, no rank of the group has a prefill in this step (two-batch overlap may run).
     """
 
     gating: GatingBatch | None = None
     step_max_tokens: int | None = None
     observer: RoutingObserver | None = None
+    decode_only: bool = False
 
 
 NO_CONTEXT = StepContext()
@@ -93,12 +99,17 @@ class MoEModel:
             batch (otherwise, or without a router, the model's own top-k routing, `exact`, runs).
         observer: the `RoutingObserver` of every forward (default: none).
         max_positions: RoPE table length (default: the config's max_position_embeddings).
+        two_batch_min: two-batch overlap (`actors.model.two_batch`) for decode-only steps whose agreed largest token
+            count is at least this, when the dispatcher `overlaps` (None: off). `two_batch_steps` counts them.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dispatcher: Dispatcher,
                  experts: list[Experts | None], *, gating_router: GatingRouter | None = None,
-                 observer: RoutingObserver = NO_OBSERVER, max_positions: int | None = None):
+                 observer: RoutingObserver = NO_OBSERVER, max_positions: int | None = None,
+                 two_batch_min: int | None = None):
         self.cfg = cfg
+        self.two_batch_min = two_batch_min
+        self.two_batch_steps = 0
         self.w = weights
         # compute dtype: the norms are always in it; matrices may be stored bf16 (`actors.model.weights`, keep_bf16)
         self.dtype = weights["norm"].dtype
@@ -180,30 +191,43 @@ class MoEModel:
             observer: RoutingObserver = NO_OBSERVER) -> torch.Tensor:
         """Routed experts (+ shared expert) of MoE layer l. Ids of -1 (policies with fewer experts for
         some tokens) carry weight 0 and are never dispatched."""
-        w, p, E = self.w, f"layers.{l}.", self.cfg.num_experts
-        y = linear(x_TD, w[p + "moe_in_w"])  # [T, E (+ 2 I_s + 1)]: router logits, shared gate/up, shared gate
-        logits = y[:, :E]
-        shared_scale, may_pad = None, False
-        if self.gating_router is not None and ctx.gating is not None:
-            r = self.gating_router.route(l, logits, x_TD, ctx.gating)
-            topk_w, topk_ids, shared_scale, may_pad = r.weights, r.ids, r.shared_scale, r.may_pad  # [T, K'], [T]
-        else:
-            topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
+        y, topk_w, topk_ids, shared_scale, may_pad = self.gate(l, x_TD, ctx.gating)
         if topk_ids.numel():
             self._routed.append((l, topk_ids))
             observer.on_route(l, topk_ids)
         rows, handle = self.dispatcher.dispatch(l, x_TD, topk_ids, may_pad=may_pad,
                                                 step_max_tokens=ctx.step_max_tokens)
         y_RD = rows.run(self.experts[l], topk_w)  # this rank's experts, on the rows every rank sent them
-        shared = g = None
-        if self.cfg.has_shared_expert:  # before `combine`: computed while the other ranks' results travel
-            sg, su = y[:, E:-1].chunk(2, dim=-1)
-            shared = linear(F.silu(sg) * su, w[p + "shared_down"])
-            g = torch.sigmoid(y[:, -1:])
-            if shared_scale is not None:
-                g = g * shared_scale[:, None].to(g.dtype)
+        # before `combine`: computed while the other ranks' results travel
+        g, shared = self.shared_expert(l, y, shared_scale)
         out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
         return out if shared is None else torch.addcmul(out, g, shared)
+
+    def gate(self, l: int, x_TD: torch.Tensor, gating: GatingBatch | None):
+        """MoE layer l's router on x [T, D]: (y [T, E (+ 2 I_s + 1)]: the fused input projection (router logits,
+        shared expert gate/up, shared gate), topk_w [T, K'] fp32, topk_ids [T, K'] int64 (-1: padding), shared_scale
+        [T] or None, may_pad). The gating router picks when there is a gating batch, else exact top-k."""
+        w, p, E = self.w, f"layers.{l}.", self.cfg.num_experts
+        y = linear(x_TD, w[p + "moe_in_w"])
+        logits = y[:, :E]
+        if self.gating_router is not None and gating is not None:
+            r = self.gating_router.route(l, logits, x_TD, gating)
+            return y, r.weights, r.ids, r.shared_scale, r.may_pad  # [T, K'], [T]
+        topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
+        return y, topk_w, topk_ids, None, False
+
+    def shared_expert(self, l: int, y: torch.Tensor, shared_scale: torch.Tensor | None):
+        """(gate g [T, 1], shared expert output [T, D]) of layer l from `gate`'s fused projection y, or (None, None)
+        without a shared expert; the layer's output is combine + g * shared."""
+        if not self.cfg.has_shared_expert:
+            return None, None
+        E, p = self.cfg.num_experts, f"layers.{l}."
+        sg, su = y[:, E:-1].chunk(2, dim=-1)
+        shared = linear(F.silu(sg) * su, self.w[p + "shared_down"])
+        g = torch.sigmoid(y[:, -1:])
+        if shared_scale is not None:
+            g = g * shared_scale[:, None].to(g.dtype)
+        return g, shared
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,
@@ -216,6 +240,11 @@ class MoEModel:
         cfg, w = self.cfg, self.w
         observer = self.observer if ctx.observer is None else ctx.observer
         observer.begin_step(meta, input_ids_T.shape[0], ctx.gating)
+        if (self.two_batch_min is not None and ctx.decode_only and ctx.step_max_tokens is not None
+                and ctx.step_max_tokens >= self.two_batch_min and self.dispatcher.overlaps(ctx.step_max_tokens)):
+            self.two_batch_steps += 1  # agreed values only: every rank takes this branch together
+            return forward_two_batch(self, input_ids_T, positions_T, cache, meta, ctx,
+                                     None if observer is NO_OBSERVER else observer)
         h = F.embedding(input_ids_T, w["embed"]).to(self.dtype)
         if h.shape[0] == 0:  # a rank with no tokens only serves its experts to the others: no other op
             return self._forward_empty(h, ctx)

@@ -36,30 +36,15 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from actors.moe.exchange import (AgreedCapacityExchange, CountsExchange, Exchange, FixedCapacityExchange,
+from actors.moe.exchange import (AgreedCapacityExchange, CountsExchange, DispatchHandle, FixedCapacityExchange,
                                  LocalExchange)
 from actors.moe.experts import ExpertRows, Experts
 from actors.moe.placement import ExpertPlacement, water_fill
+from actors.moe.split_dispatch import SplitDispatchMixin
 from kernels import tuning
-
-
-@dataclass(slots=True)
-class DispatchHandle:
-    """What `combine` needs to bring a layer's results back: the exchange that sent the rows (None: the one-token
-    path, nothing to bring back) and its state, the pair shape (T, K), and where the valid pairs sit among the
-    T*K when some ids were padding (keep_V; None: all valid)."""
-
-    exchange: Exchange | None
-    state: Any
-    T: int
-    K: int
-    keep_V: torch.Tensor | None = None
 
 
 class Dispatcher(ABC):
@@ -78,6 +63,11 @@ class Dispatcher(ABC):
         """Results of `dispatch`'s rows back to their pairs: out [T, D] = sum_k w[t, k] * y_pair[t, k], in x's
         dtype (padding pairs contribute zero)."""
 
+    def overlaps(self, step_max_tokens: int | None) -> bool:
+        """Whether a step of that agreed size may run as two micro-batches with split calls (`dispatch_post` ...,
+        `actors.moe.split_dispatch`); the base dispatcher has none."""
+        return False
+
     def run(self, layer: int, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, topk_w_TK: torch.Tensor,
             experts: Experts, may_pad: bool = True, step_max_tokens: int | None = None) -> torch.Tensor:
         """dispatch -> experts -> combine in one call: out [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t])
@@ -86,7 +76,7 @@ class Dispatcher(ABC):
         return self.combine(rows.run(experts, topk_w_TK), handle, topk_w_TK)
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
     """The expert-parallel dispatcher of one rank: placement tables, replica choice and the exchanges.
 
     Exchanges (chosen at construction): `LocalExchange` when world_size is 1, else `CountsExchange` (with a
@@ -107,7 +97,8 @@ class AllToAllDispatcher(Dispatcher):
 
     Timings of the collectives are accumulated in `comm_s` (seconds) for the benchmark breakdown;
     `sent_rows` [L, W] int64 counts the rows this rank sent to each rank per layer (cumulative), i.e. the
-    measured rank load that replicas balance. `set_placement` swaps the tables between steps.
+    measured rank load that replicas balance. `set_placement` swaps the tables between steps. The split calls
+    (`dispatch_post` ... `combine_finish`, two-batch overlap) are `actors.moe.split_dispatch.SplitDispatchMixin`'s.
     """
 
     def __init__(self, placement: ExpertPlacement, rank: int, group=None, device: torch.device | str = "cpu", *,
@@ -121,7 +112,11 @@ class AllToAllDispatcher(Dispatcher):
         self.max_experts_per_token = max_experts_per_token
         self._local = LocalExchange()
         self._exchange = self._local if self.world == 1 else CountsExchange(self.world, self._a2a)
-        self._fixed = None if self.world == 1 else FixedCapacityExchange(self.world, self._a2a)
+        self._fixed = None if self.world == 1 else FixedCapacityExchange(self.world, self._a2a, self._a2a_post,
+                                                                          self._a2a_wait)
+        # two-batch overlap needs a split all-to-all: torch.distributed's async_op (gloo, NCCL) or the TCP transport's
+        # post / complete; the same-node shared memory has none (one collective in flight, `shm_collective`)
+        self.can_overlap = self.world > 1 and (shm is None or callable(getattr(shm, "post", None)))
         if shm is not None and self._fixed is not None:  # an equal-split transport carries every step
             self._exchange = AgreedCapacityExchange(self.world, self._a2a, self._fixed)
         self._sent = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
@@ -244,6 +239,15 @@ class AllToAllDispatcher(Dispatcher):
             return ExpertRows(x_TD, topk_ids_TK, kind="tokens"), DispatchHandle(None, None, T, K)
         if self.replicated[layer]:
             return self._dispatch_local(layer, x_TD, self.local_row[layer][topk_ids_TK], may_pad)
+        tok_V, dest_V, local_V, keep_V = self._pairs(layer, x_TD, topk_ids_TK, may_pad)
+        exchange, capacity = self._step_exchange(K, step_max_tokens)
+        rows, state = exchange.send(x_TD, tok_V, dest_V, local_V, self._sent[layer], capacity)
+        return rows, DispatchHandle(exchange, state, T, K, keep_V)
+
+    def _pairs(self, layer: int, x_TD: torch.Tensor, topk_ids_TK: torch.Tensor, may_pad: bool):
+        """(token [V], destination rank [V], local expert row [V] of each valid pair, and keep_V: where they sit
+        among the T*K pairs, None when none is padding)."""
+        T, K = topk_ids_TK.shape
         ids_P = topk_ids_TK.reshape(-1)
         tok_P = self._tok_of.get((T, K))
         if tok_P is None:
@@ -256,9 +260,7 @@ class AllToAllDispatcher(Dispatcher):
             padded = keep_V.numel() != ids_P.numel()
         ids_V, tok_V = (ids_P[keep_V], tok_P[keep_V]) if padded else (ids_P, tok_P)
         dest_V, local_V = self._route(layer, ids_V)
-        exchange, capacity = self._step_exchange(K, step_max_tokens)
-        rows, state = exchange.send(x_TD, tok_V, dest_V, local_V, self._sent[layer], capacity)
-        return rows, DispatchHandle(exchange, state, T, K, keep_V if padded else None)
+        return tok_V, dest_V, local_V, keep_V if padded else None
 
     def _dispatch_local(self, layer: int, x_TD: torch.Tensor, local_TK: torch.Tensor,
                         may_pad: bool) -> tuple[ExpertRows, DispatchHandle]:
@@ -280,7 +282,10 @@ class AllToAllDispatcher(Dispatcher):
     def combine(self, y_RD, handle, topk_w_TK):
         if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
             return y_RD
-        y_V = handle.exchange.receive(y_RD, handle.state)
+        return self._weigh(handle.exchange.receive(y_RD, handle.state), handle, topk_w_TK)
+
+    def _weigh(self, y_V: torch.Tensor, handle: DispatchHandle, topk_w_TK: torch.Tensor) -> torch.Tensor:
+        """The valid pairs' results [V, D] -> out [T, D] = sum_k w[t, k] * y_pair[t, k] (padding pairs: zero)."""
         T, K, D = handle.T, handle.K, y_V.shape[1]
         if handle.keep_V is not None:  # padding pairs contribute exactly zero (weight 0, row never computed)
             y_P = torch.zeros(T * K, D, dtype=y_V.dtype, device=y_V.device)

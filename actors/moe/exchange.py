@@ -13,6 +13,7 @@ C = fixed capacity (rows to and from each rank).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,19 @@ class Exchange(ABC):
     @abstractmethod
     def receive(self, y_RD: torch.Tensor, state: Any) -> torch.Tensor:
         """The experts' results [R, D] back to this rank's pairs: [V, D] in pair order."""
+
+
+@dataclass(slots=True)
+class DispatchHandle:
+    """What `combine` needs to bring a layer's results back: the exchange that sent the rows (None: the one-token
+    path, nothing to bring back) and its state, the pair shape (T, K), and where the valid pairs sit among the
+    T*K when some ids were padding (keep_V; None: all valid)."""
+
+    exchange: Exchange | None
+    state: Any
+    T: int
+    K: int
+    keep_V: torch.Tensor | None = None
 
 
 class LocalExchange(Exchange):
@@ -88,27 +102,42 @@ class CountsExchange(Exchange):
 
 class FixedCapacityExchange(Exchange):
     """C rows to and from every rank (this rank's pairs for that rank, then padding rows of id -1): the splits
-    are known in advance, so no counts are exchanged."""
+    are known in advance, so no counts are exchanged.
 
-    def __init__(self, world: int, a2a: A2A):
-        self.world, self.a2a = world, a2a
+    Split form (two-batch overlap, `actors.model.two_batch`): `post_send` / `finish_send` and `post_receive` /
+    `finish_receive` are `send` and `receive` cut where the collective is in flight, so one micro-batch's rows
+    travel while the other computes. They need the transport's split all-to-all, `post(out, inp) -> token` (the
+    sends; `out` is written by `wait(token)` at the latest) and `wait(token)`, given to the constructor. There every
+    dtype makes one collective per direction: the ids ride as raw bytes beside the rows (fp32: as a float column,
+    as in `send`).
+    """
 
-    def send(self, x_TD, tok_V, dest_V, local_V, sent_W, capacity):
-        W, D, dev, dt, C = self.world, x_TD.shape[1], x_TD.device, x_TD.dtype, capacity
-        V = dest_V.numel()
+    def __init__(self, world: int, a2a: A2A, post: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+                 wait: Callable[[Any], None] | None = None):
+        self.world, self.a2a, self.post, self.wait = world, a2a, post, wait
+
+    def _slots(self, x_TD, tok_V, dest_V, local_V, sent_W, C):
+        """(send buffer [W * C, D + 1] fp32 with the ids in the last column, or None when not packed here; slot of
+        each pair in it [V]); adds the rows per rank to sent_W."""
+        W, dev = self.world, x_TD.device
         packed = pack_fixed_rows(x_TD, tok_V, dest_V, local_V, W, C)  # fp32 on CPU: one compiled call
         if packed is not None:
             send, slot_V, counts = packed
             sent_W += counts
-        else:
-            order = torch.argsort(dest_V, stable=True)
-            counts = torch.bincount(dest_V, minlength=W)
-            sent_W += counts
-            starts = torch.cumsum(counts, 0) - counts
-            slot_V = torch.empty_like(order)  # row of each pair in the [W * C] send buffer
-            slot_V[order] = dest_V[order] * C + torch.arange(V, device=dev) - starts[dest_V[order]]
+            return send, slot_V
+        order = torch.argsort(dest_V, stable=True)
+        counts = torch.bincount(dest_V, minlength=W)
+        sent_W += counts
+        starts = torch.cumsum(counts, 0) - counts
+        slot_V = torch.empty_like(order)  # row of each pair in the [W * C] send buffer
+        slot_V[order] = dest_V[order] * C + torch.arange(dest_V.numel(), device=dev) - starts[dest_V[order]]
+        return None, slot_V
+
+    def send(self, x_TD, tok_V, dest_V, local_V, sent_W, capacity):
+        W, D, dev, dt, C = self.world, x_TD.shape[1], x_TD.device, x_TD.dtype, capacity
+        send, slot_V = self._slots(x_TD, tok_V, dest_V, local_V, sent_W, C)
         if dt == torch.float32:  # ids ride along as an extra column (exact below 2**24); -1 marks padding
-            if packed is None:
+            if send is None:
                 send = torch.zeros(W * C, D + 1, dtype=dt, device=dev)
                 send[:, D] = -1
                 send[slot_V, :D] = x_TD[tok_V]
@@ -130,6 +159,49 @@ class FixedCapacityExchange(Exchange):
     def receive(self, y_RD, state):
         y_S = torch.empty_like(y_RD)
         self.a2a(y_S, y_RD, None, None)
+        return y_S[state]
+
+    def post_send(self, x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
+                  sent_W: torch.Tensor, capacity: int) -> tuple:
+        """`send` up to the collective, which is left in flight: returns what `finish_send` needs. Same arguments
+        as `send` (capacity: C, required)."""
+        W, D, dev, dt, C = self.world, x_TD.shape[1], x_TD.device, x_TD.dtype, capacity
+        send, slot_V = self._slots(x_TD, tok_V, dest_V, local_V, sent_W, C)
+        if send is None:
+            if dt == torch.float32:
+                send = torch.zeros(W * C, D + 1, dtype=dt, device=dev)
+                send[:, D] = -1
+                send[slot_V, :D] = x_TD[tok_V]
+                send[slot_V, D] = local_V.to(dt)
+            else:  # the int64 ids as raw bytes: 8 // itemsize columns of x's dtype after the row (bits copied only)
+                lid = torch.full((W * C, 1), -1, dtype=torch.int64, device=dev)
+                lid[slot_V, 0] = local_V
+                rows = torch.zeros(W * C, D, dtype=dt, device=dev)
+                rows[slot_V] = x_TD[tok_V]
+                send = torch.cat([rows, lid.view(dt)], dim=1)
+        recv = torch.empty_like(send)
+        return self.post(recv, send), recv, slot_V, D
+
+    def finish_send(self, pending: tuple) -> tuple[ExpertRows, Any]:
+        """Wait for `post_send`'s collective: (the rows for this rank's experts, the state `receive` or
+        `post_receive` needs), as `send` returns."""
+        token, recv, slot_V, D = pending
+        self.wait(token)
+        if recv.dtype == torch.float32:
+            x_R, lid_R = recv[:, :D], recv[:, D].to(torch.int64)
+        else:
+            x_R, lid_R = recv[:, :D], recv[:, D:].contiguous().view(torch.int64).view(-1)
+        return ExpertRows(x_R, lid_R, kind="padded"), slot_V
+
+    def post_receive(self, y_RD: torch.Tensor, state: Any) -> tuple:
+        """`receive` up to its collective, left in flight: y_RD [W * C, D], the experts' results (contiguous)."""
+        y_S = torch.empty_like(y_RD)
+        return self.post(y_S, y_RD.contiguous()), y_S, state
+
+    def finish_receive(self, pending: tuple) -> torch.Tensor:
+        """Wait for `post_receive`'s collective: this rank's pairs' results [V, D] in pair order."""
+        token, y_S, state = pending
+        self.wait(token)
         return y_S[state]
 
 

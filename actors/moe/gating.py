@@ -105,15 +105,18 @@ class GatingBatch:
 
     The derived fields (`prev_row_T`, `last_rows`, `slots_last`, `fresh_T`, `has_inner`) are computed on
     first use: only the policies with per-sequence recurrences (`velocity`, `sticky`) read them, so an
-    `exact` decode step pays none of their ops.
+    `exact` decode step pays none of their ops. step: the whole step's batch when this one is a micro-batch of
+    it (two-batch overlap, `actors.model.two_batch`; None: this batch is the step); `step_key` names the step.
     """
 
-    __slots__ = ("slots_T", "positions_T", "policy_T", "_derived", "waves")
+    __slots__ = ("slots_T", "positions_T", "policy_T", "_derived", "waves", "step")
 
-    def __init__(self, *, slots_T: torch.Tensor, positions_T: torch.Tensor, policy_T: torch.Tensor | None = None):
+    def __init__(self, *, slots_T: torch.Tensor, positions_T: torch.Tensor, policy_T: torch.Tensor | None = None,
+                 step: "GatingBatch | None" = None):
         self.slots_T = slots_T
         self.positions_T = positions_T
         self.policy_T = policy_T
+        self.step = step
         self._derived: tuple | None = None
         self.waves: list[torch.Tensor] = []  # computed lazily by `wave_list`
 
@@ -133,6 +136,11 @@ class GatingBatch:
             self._derived = (prev_row, last_rows, self.slots_T[last_rows], self.positions_T == 0,
                              bool(same.any()) if T > 1 else False)
         return self._derived
+
+    @property
+    def step_key(self) -> "GatingBatch":
+        """The step this batch routes in: its whole-step batch, or itself."""
+        return self if self.step is None else self.step
 
     @property
     def prev_row_T(self) -> torch.Tensor:

@@ -91,7 +91,7 @@ class GatingRouter:
     # ------------------------------------------------------------------ entry point
     def route(self, layer: int, logits_TE: torch.Tensor, x_TD: torch.Tensor, batch: GatingBatch) -> Routing:
         """Route one MoE layer call; records per-sequence state and thrash. T may be 0."""
-        if self.state.batch is not batch and (batch.policy_T is not None or self.cfg.policy in _STATEFUL):
+        if self.state.step is not batch.step_key and (batch.policy_T is not None or self.cfg.policy in _STATEFUL):
             self.state.flush()  # the earlier steps' sets, before a policy that reads them
         T = logits_TE.shape[0]
         default = POLICIES.index(self.cfg.policy)

@@ -43,9 +43,11 @@ class RoutingState:
         self.velocity = torch.full((num_slots, num_layers), float("nan"), device=device)
         self.thrash_sum = torch.zeros(num_layers, dtype=torch.float64, device=device)
         self.thrash_n = torch.zeros(num_layers, dtype=torch.int64, device=device)
-        # the current step (batch, [(layer, ids [T, K'], x_last)]) and the queued earlier steps, accounted by `flush`
-        self.batch: GatingBatch | None = None
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        # the current step (`GatingBatch.step_key`) and its routing per batch: [(batch, [(layer, ids [T, K'], x_last)])],
+        # two batches under two-batch overlap (the step's micro-batches, their layers alternating), then the queued
+        # earlier steps, accounted by `flush`
+        self.step = None
+        self.open: list[tuple[GatingBatch, list]] = []
         self.window: list[tuple[GatingBatch, list]] = []
         self._layer_idx: dict[tuple[int, ...], torch.Tensor] = {}
         self.lock = threading.Lock()  # stats() may flush from another thread
@@ -60,7 +62,7 @@ class RoutingState:
     def record(self, layer: int, batch: GatingBatch, ids: torch.Tensor, x_TD: torch.Tensor) -> None:
         """Queue layer `layer`'s final expert sets of `batch` (and inputs, once a velocity policy asked for
         them); `flush` accounts them."""
-        if self.batch is not batch:
+        if self.step is not batch.step_key:
             with self.lock:
                 self._close_step()
                 full = len(self.window) >= self.WINDOW
@@ -68,15 +70,21 @@ class RoutingState:
                 self.flush()
         x_last = x_TD[batch.last_rows].float() if self.prev_x is not None and ids.numel() else None
         with self.lock:  # stats() may flush from another thread between these lines
-            self.batch = batch
+            if self.step is not batch.step_key:
+                self.step, self.open = batch.step_key, []
+            pending = next((p for b, p in self.open if b is batch), None)
+            if pending is None:
+                pending = []
+                self.open.append((batch, pending))
             if ids.numel():
-                self.pending.append((layer, ids, x_last))
+                pending.append((layer, ids, x_last))
 
     def _close_step(self) -> None:
-        """Move the current step to the window (caller holds the lock)."""
-        if self.pending:
-            self.window.append((self.batch, self.pending))
-        self.batch, self.pending = None, []
+        """Move the current step's batches to the window, in the order they were first routed (caller holds the
+        lock). A step's micro-batches hold disjoint sequences, so either order keeps each sequence's tokens in time
+        order."""
+        self.window += [(b, p) for b, p in self.open if p]
+        self.step, self.open = None, []
 
     def flush(self) -> None:
         """Thrash accounting for every queued step, then store each sequence's last token's sets. Called before

@@ -6,7 +6,7 @@ request behind it: over Ray actor calls, the router draws the seq only after the
 request; over the ranks' channels (`router_service.rank_channels`), it writes the request and then the
 seq on the owner's connection, whose frames arrive in order. A rank sleeps (on a condition variable: no spinning) until it
 has seen a `seq` above the last agreed one. Each round, every rank reads its `seen_seq` and then
-checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens]` to one
+checks for work, and contributes `[has_work, -seen_seq, stop, -committed_epoch, num_tokens, has_prefill]` to one
 MAX over the group (an all-to-all of the replicated flags: cheaper than gloo's all_reduce); all ranks
 therefore agree on whether to run a step (all of them do, with zero tokens if need be), on when to
 stop, and on `agreed_seq`, the SMALLEST seq seen: a rank goes back to sleep only when every rank has
@@ -15,8 +15,9 @@ seq, a rank whose request landed just after its work check could be told its own
 while a peer that got the wake first reported no work: it slept with the request queued. Seen once
 as a hung request in `tests/cluster/test_cluster.py`.) Since every `seq` reaches every rank, a rank
 that wakes for `seq` is always joined by the others. The fifth flag, the largest planned token count,
-lets every rank's dispatcher choose the fixed-capacity exchange for the step (`StepContext.step_max_tokens`).
-After the five flags each rank's row carries its `balanced` expert load of the previous step (L * E int64,
+lets every rank's dispatcher choose the fixed-capacity exchange for the step (`StepContext.step_max_tokens`); the
+sixth, whether any rank's step has a prefill, gates two-batch overlap (`StepContext.decode_only`).
+After the six flags each rank's row carries its `balanced` expert load of the previous step (L * E int64,
 `RankEngine.take_balance_load`; 256 bytes on the shipped model): the flags are MAXed, the loads SUMmed, and
 every rank applies the group's load to its balancing bias before the step (`apply_balance_load`), so the
 bias is the same on every rank after every step with no collective of its own.
@@ -93,7 +94,7 @@ class LockstepLoop:
         """The lockstep rounds in the current group; `pending`: a planned step an error interrupted, re-run first
         (its forward had not changed any sequence: `RankEngine.run` advances them only after it)."""
         agreed, idle, W = 0, pending is None, self.world_size
-        n = 5 + self.engine.balance_width  # the flags, then the `balanced` load counters
+        n = 6 + self.engine.balance_width  # the flags, then the `balanced` load counters
         shm = self.shm if self.shm is not None and self.shm.fits(8 * n) else None
         if shm is not None:  # CPU: numpy views of the tensors, 1 numpy op each instead of ~10 torch ops
             flag_np, in_np = np.zeros((W, n), dtype=np.int64), np.zeros((W, n), dtype=np.int64)
@@ -115,31 +116,32 @@ class LockstepLoop:
             if still_idle:
                 self.channel.tick()  # a new connection, or a heartbeat
                 continue
-            plan, t_max = None, None
+            plan, t_max, prefill = None, None, 1
             if self.world_size > 1:
                 # this rank's step is planned before the agreement, so the group learns its largest token
                 # count (the dispatcher's fixed capacity) in the same agreement
                 plan = pending if pending is not None else (
                     self.engine.plan() if self.engine.has_work and not stop else None)
                 pending, self._inflight = None, plan
-                mine = (int(plan is not None), -seen, int(stop), -committed, plan.num_tokens if plan else 0)
+                mine = (int(plan is not None), -seen, int(stop), -committed, plan.num_tokens if plan else 0,
+                        int(plan is not None and bool(plan.meta.prefills)))
                 load = self.engine.take_balance_load()  # the previous step's, [L * E] int64 or None
                 t0 = time.perf_counter()
                 # MAX over ranks as an all-to-all of the replicated flags: gloo's all_reduce of 5 int64 takes
                 # ~1.9 ms on the 2-core machine, its all-to-all ~0.7 ms, shared memory ~0.1 ms
                 if shm is not None:
-                    flag_np[:, :5] = mine  # every row: the flags go to every rank
-                    flag_np[:, 5:] = 0 if load is None else load.numpy()
+                    flag_np[:, :6] = mine  # every row: the flags go to every rank
+                    flag_np[:, 6:] = 0 if load is None else load.numpy()
                     shm.all_to_all_single(flags_in, flag)
-                    work, agreed, stop, committed, t_max = in_np[:, :5].max(0).tolist()
-                    group_load = in_np[:, 5:].sum(0)
+                    work, agreed, stop, committed, t_max, prefill = in_np[:, :6].max(0).tolist()
+                    group_load = in_np[:, 6:].sum(0)
                 else:
-                    flag[:5] = torch.tensor(mine)
-                    flag[5:] = 0 if load is None else load
+                    flag[:6] = torch.tensor(mine)
+                    flag[6:] = 0 if load is None else load
                     dist.all_to_all_single(flags_in, flag.repeat(W), group=self.group)
                     rows = flags_in.view(W, n)
-                    work, agreed, stop, committed, t_max = rows[:, :5].amax(0).tolist()
-                    group_load = rows[:, 5:].sum(0)
+                    work, agreed, stop, committed, t_max, prefill = rows[:, :6].amax(0).tolist()
+                    group_load = rows[:, 6:].sum(0)
                 self.engine.timing["sync_s"] += time.perf_counter() - t0
                 agreed, committed = -agreed, -committed  # the smallest seq seen, the smallest epoch committed
             else:  # alone: nothing to agree on (and no tensor ops on the decode path)
@@ -158,6 +160,6 @@ class LockstepLoop:
             if plan is None:  # alone, or the others have work: an empty step if nothing was planned here
                 plan = self.engine.plan(schedule=self.world_size == 1)
             self._inflight = plan if plan.seqs else None
-            outs = self.engine.run(plan, t_max)
+            outs = self.engine.run(plan, t_max, decode_only=not prefill)
             self._inflight = None
             self.channel.emit(outs)

@@ -21,7 +21,10 @@ slot[k % 2][r][d], publish counter[r] = k + 1, then for every peer s wait until 
 slot[k % 2][s][r] out. Two banks are enough: a rank can start call k + 2 (overwriting bank k % 2) only after
 every peer has published k + 1, which each does only after it finished reading call k. The counter store
 follows the data stores in program order, which x86-64 (TSO) keeps visible in that order; the module is
-therefore only enabled on x86-64.
+therefore only enabled on x86-64. The same two banks are why one collective is in flight at a time: there is no
+split post / complete as the TCP transport has (`actors.rank.tcp_collective`), so two-batch overlap
+(`actors.model.two_batch`) is off on a group with this transport; it is for the cross-node links, where a call costs
+far more than the compute it could hide behind (on one node the collective costs tens of us).
 
 Waiting (kernels/csrc/shm_a2a.c, when the compiled kernels run). The copies, the publish and the wait are
 two C calls per collective (`moeray_shm_a2a_send`, `_recv`; ctypes releases the GIL). A waiting rank spins

@@ -19,8 +19,10 @@ same transport for every call.
 Protocol. Each call sends this rank's chunk for every peer, then reads every peer's chunk for this rank. A send
 of at most `max_bytes` never blocks (each socket's send and receive buffers together hold more), so
 sending everything before reading cannot deadlock for any world size; TCP keeps each pair's messages in order,
-so call k's bytes never mix with call k + 1's. A closed connection (the peer exited: its kernel resets it) raises
-at once; a silent peer (a lost node) raises after `timeout_s`.
+so call k's bytes never mix with call k + 1's. Split in two (`post`: the sends; `complete`: the reads), a call
+can be in flight while this rank computes: two-batch overlap (`actors.model.two_batch`) keeps up to `MAX_POSTED`
+posted, completed in post order; `all_to_all_single` is `post` then `complete`. A closed connection (the peer
+exited: its kernel resets it) raises at once; a silent peer (a lost node) raises after `timeout_s`.
 
 Bring-up (`setup`, over the process group's TCPStore). Every rank listens on its node IP (port from the kernel),
 publishes it, connects to every lower rank (sending its rank number) and accepts every higher one; each rank
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import deque
 import struct
 import time
 
@@ -42,6 +45,7 @@ log = logging.getLogger("moeray.rank")
 
 MAX_BYTES = 64 << 10  # per peer per call: larger messages take torch.distributed (and never block a send)
 SOCK_BUF = 512 << 10  # requested SO_SNDBUF / SO_RCVBUF (the kernel caps them at net.core.[wr]mem_max)
+MAX_POSTED = 2  # calls posted and not completed at most (`post`): two micro-batches' exchanges in flight
 
 
 class TcpAllToAll:
@@ -67,6 +71,8 @@ class TcpAllToAll:
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent reading peers' chunks (statistics)
         self.closed = False
+        self._tickets = 0  # tickets handed out by `post`
+        self._posted: deque = deque()  # outstanding calls, oldest first: (ticket, inp, its bytes, bytes per peer)
 
     @classmethod
     def setup(cls, store, rank: int, world: int, host: str, timeout_s: float, max_bytes: int = MAX_BYTES,
@@ -118,24 +124,83 @@ class TcpAllToAll:
         return not self.closed and nbytes_per_peer <= self.max_bytes
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """out[chunk s] = rank s's inp[chunk r] for every rank s (r = this rank), equal chunks along dim 0.
+        """out[chunk s] = rank s's inp[chunk r] for every rank s (r = this rank), equal chunks along dim 0:
+        `complete(post(inp), out)`.
 
         Args:
             out, inp: contiguous CPU tensors of the same dtype and shape, dim 0 divisible by the world size,
                 at most `max_bytes` per chunk (`fits`).
         Raises:
-            ValueError: bad shapes. RuntimeError: a peer closed its connection or timed out.
+            ValueError: bad shapes. RuntimeError: a peer closed its connection or timed out, or a posted call is
+                still outstanding (its bytes come first on every socket).
         """
-        W, r = self.world, self.rank
-        check_all_to_all(out, inp, W)
+        check_all_to_all(out, inp, self.world)
+        if self._posted:
+            raise RuntimeError(f"all_to_all_single with {len(self._posted)} posted call(s) outstanding: complete "
+                               "them first (calls complete in post order)")
+        self.complete(self.post(inp), out)
+
+    def post(self, inp: torch.Tensor) -> int:
+        """First half of a split all-to-all: send every peer its chunk of `inp` now (a send of at most `max_bytes`
+        never blocks, so this returns without waiting for any peer) and return the call's ticket for `complete`.
+        At most `MAX_POSTED` calls are outstanding (two micro-batches' exchanges in flight,
+        `actors.model.two_batch`): every peer may then hold up to MAX_POSTED x max_bytes unread from this rank,
+        which the socket buffers (SOCK_BUF each way) hold, so a post still never blocks. `inp` must stay
+        unchanged until `complete` (this rank's own chunk is copied then).
+
+        Args:
+            inp: contiguous CPU tensor, dim 0 divisible by the world size, at most `max_bytes` per chunk.
+        Returns: the ticket (an int, increasing by one per post).
+        Raises:
+            ValueError: bad shape or size. RuntimeError: MAX_POSTED calls already outstanding, or a peer closed
+                its connection.
+        """
+        W = self.world
+        if inp.device.type != "cpu" or not inp.is_contiguous() or inp.dim() == 0 or inp.shape[0] % W:
+            raise ValueError(f"post: inp must be a contiguous CPU tensor with dim 0 divisible by world={W}, got "
+                             f"shape {tuple(inp.shape)} on {inp.device}")
+        if len(self._posted) >= MAX_POSTED:
+            raise RuntimeError(f"post: {len(self._posted)} calls outstanding, at most MAX_POSTED={MAX_POSTED}")
         nb = inp.nbytes // W
         if not self.fits(nb):
-            raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds max_bytes={self.max_bytes}")
+            raise ValueError(f"post: {nb} bytes per peer exceeds max_bytes={self.max_bytes} (or the transport is "
+                             "closed)")
         src = memoryview(inp.view(-1).view(torch.uint8).numpy())
-        dst = memoryview(out.view(-1).view(torch.uint8).numpy())
         try:
             for s, sock in self.socks.items():
                 sock.sendall(src[s * nb:(s + 1) * nb])
+        except TimeoutError as e:
+            raise RuntimeError(f"TCP all_to_all: a peer was silent for {self.timeout_s} s") from e
+        except OSError as e:
+            raise RuntimeError(f"TCP all_to_all: {type(e).__name__}: {e}") from e
+        self._tickets += 1
+        self._posted.append((self._tickets, inp, src, nb))
+        return self._tickets
+
+    def complete(self, ticket: int, out: torch.Tensor) -> None:
+        """Second half of a split all-to-all: read every peer's chunk of call `ticket` into `out` (and this rank's
+        own chunk from the posted `inp`): out[chunk s] = rank s's inp[chunk r]. Tickets complete strictly in post
+        order (TCP keeps each socket's bytes in order: the oldest call's come first).
+
+        Args:
+            ticket: what `post` returned, the oldest outstanding. out: contiguous CPU tensor of the posted inp's
+                dtype and shape.
+        Raises:
+            ValueError: `ticket` is not the oldest outstanding call, or `out` does not match its inp.
+            RuntimeError: a peer closed its connection or stayed silent `timeout_s`.
+        """
+        if not self._posted or self._posted[0][0] != ticket:
+            raise ValueError(f"complete: ticket {ticket} is not the oldest outstanding call "
+                             f"{[t for t, *_ in self._posted]} (tickets complete in post order)")
+        _, inp, src, nb = self._posted[0]
+        if (not out.is_contiguous() or out.device.type != "cpu" or out.dtype != inp.dtype
+                or out.shape != inp.shape):
+            raise ValueError(f"complete: out {tuple(out.shape)} {out.dtype} must be a contiguous CPU tensor like the "
+                             f"posted inp {tuple(inp.shape)} {inp.dtype}")
+        self._posted.popleft()
+        r = self.rank
+        dst = memoryview(out.view(-1).view(torch.uint8).numpy())
+        try:
             dst[r * nb:(r + 1) * nb] = src[r * nb:(r + 1) * nb]
             t0 = time.perf_counter()
             for s, sock in self.socks.items():
@@ -145,11 +210,14 @@ class TcpAllToAll:
                     raise RuntimeError(f"TCP all_to_all: rank {s} was silent for {self.timeout_s} s (hung, or its "
                                        f"node is lost)") from e
             self.wait_s += time.perf_counter() - t0
-        except TimeoutError as e:
-            raise RuntimeError(f"TCP all_to_all: a peer was silent for {self.timeout_s} s") from e
         except OSError as e:
             raise RuntimeError(f"TCP all_to_all: {type(e).__name__}: {e}") from e
         self.calls += 1
+
+    @property
+    def outstanding(self) -> int:
+        """Posted calls not completed yet (0 to MAX_POSTED)."""
+        return len(self._posted)
 
     def interrupt(self) -> None:
         """Any thread: shut every connection down, so a call blocked on a silent peer (a lost node, no reset)

@@ -29,7 +29,7 @@ class ScriptedPeer:
         return True
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        n = inp.numel() // 2  # a row: the 5 flags, then the `balanced` load counters (zeros here)
+        n = inp.numel() // 2  # a row: the flags, then the `balanced` load counters (zeros here)
         own = inp[:5].tolist()
         self.sent.put(own)
         peer, action = self.rows.get(timeout=30)

@@ -107,3 +107,38 @@ def test_every_rank_falls_back_together_when_one_cannot_listen():
         return TcpAllToAll.setup(store, r, 2, host, timeout_s=5.0, connect_timeout_s=1.0)
 
     assert _run_ranks(2, rank_fn) == [None, None]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_posted_calls_complete_in_post_order_at_most_two_outstanding(world):
+    """Two-batch overlap's pattern: two calls posted before either completes (of different sizes and dtypes, at
+    max_bytes each so both sit unread in the socket buffers), completed oldest first, each chunk where
+    `all_to_all_single` puts it; a third post, an out-of-order complete and a one-call all-to-all while calls are
+    outstanding are refused."""
+    def rank_fn(r, store):
+        t = TcpAllToAll.setup(store, r, world, "127.0.0.1", timeout_s=20.0)
+        bad = 0
+        for i in range(50):
+            rows_a, rows_b = (t.max_bytes // 12, 1 + i % 5) if i % 2 else (1 + i % 7, t.max_bytes // 24)  # 12, 24 B/row
+            a, b = _chunks(r, world, rows_a, torch.float32), _chunks(r, world, rows_b, torch.int64)
+            ta, tb = t.post(a), t.post(b)
+            assert t.outstanding == 2 and tb == ta + 1
+            if i == 0:
+                with pytest.raises(RuntimeError, match="MAX_POSTED"):
+                    t.post(a)
+                with pytest.raises(ValueError, match="oldest"):
+                    t.complete(tb, torch.empty_like(b))
+                with pytest.raises(RuntimeError, match="outstanding"):
+                    t.all_to_all_single(torch.empty_like(a), a)
+            got_a, got_b = torch.empty_like(a), torch.empty_like(b)
+            t.complete(ta, got_a)
+            t.complete(tb, got_b)
+            for got, rows, dt in ((got_a, rows_a, torch.float32), (got_b, rows_b, torch.int64)):
+                want = torch.cat([_chunks(s, world, rows, dt).view(world, rows, 3)[r] for s in range(world)])
+                bad += int(not torch.equal(got, want))
+        assert t.outstanding == 0
+        calls = t.calls
+        t.close()
+        return bad, calls
+
+    assert _run_ranks(world, rank_fn) == [(0, 100)] * world
