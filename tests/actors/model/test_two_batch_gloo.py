@@ -9,10 +9,11 @@ model has a shared expert and a dense layer between MoE layers."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from actors.rank.rendezvous import host_store, join_store
+import torch.distributed as dist
+
+from actors.rank.rendezvous import join_store
+from tests.spawn import spawn_ranks
 
 MAX_TOKENS = 5
 # (sequences on rank 0, on rank 1, gating policy, redundant experts, kv_bits: None = the tiny model, full precision)
@@ -114,16 +115,7 @@ def _one_rank(model_dir: str, counts: tuple[int, int], gating: str, kv_bits) -> 
 
 
 def _run(model_dir: str, transport: str) -> None:
-    store = host_store(2)  # held until the workers are done
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, store.port, model_dir, transport, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = spawn_ranks(_worker, 2, model_dir, transport)
     for i, (c0, c1, gating, _, kv_bits) in enumerate(CASES[transport]):
         ref = _one_rank(model_dir, (c0, c1), gating, kv_bits)
         assert len(ref) == c0 + c1 and all(len(t) == MAX_TOKENS for t in ref.values())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from actors.rank.rendezvous import host_store, join_store
+import torch.distributed as dist
+
+from actors.rank.rendezvous import join_store
+from tests.spawn import spawn_ranks
 
 
 STEPS = 12
@@ -47,17 +48,7 @@ def _worker(rank, world, port, model_dir, q):
 
 def test_balancing_bias_is_the_same_on_every_rank_after_every_step(tiny_model_dir):
     model_dir = tiny_model_dir("qwen2_moe")
-    store = host_store(2)  # held until the workers are done
-    port = store.port
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, model_dir, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    got = spawn_ranks(_worker, 2, model_dir)
     per_rank = [torch.tensor(got[r]) for r in (0, 1)]  # [STEPS, L, E] each
     assert torch.equal(per_rank[0], per_rank[1])  # the same bias after every step
     assert float(per_rank[0][-1].abs().max()) > 0
