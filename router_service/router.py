@@ -11,7 +11,8 @@ any poller finds its rank dead (the actor is gone), failed (its loop raised: a c
 pg_timeout_s) or silent (node lost without a reset: `RankSilent`), the router (1) refuses new requests: retriable
 `EngineError` (HTTP 503 / gRPC UNAVAILABLE), (2) ends every in-flight request at once with
 `finish_reason="error"` (retriable: 503 / UNAVAILABLE at the front doors), (3) kills every rank and starts a new
-EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up, and (4) serves again.
+EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up (`router_service.rebuild`;
+`health()` names what it waits on), and (4) serves again.
 Pollers belong to one cluster generation and exit when it ends. Redundant experts: `router_service.elastic`.
 """
 from __future__ import annotations
