@@ -15,7 +15,9 @@ import router_service.router as rmod
 from actors.engine.sampling import SamplingParams
 from cluster.config import ClusterConfig
 from router_service.errors import EngineError
+from router_service.grpc.rpc import MoerayRpc
 from router_service.http.app import create_app
+from router_service.proto.moeray.v1 import moeray_pb2 as pb
 
 
 PLACING = "waiting for Ray to place the ranks' placement group (2 x {'CPU': 1.0} under STRICT_SPREAD)"
@@ -117,6 +119,8 @@ def test_refusals_come_within_100_ms_and_health_names_the_blocker(held, tiny_moe
         assert h["status"] == "starting" and h["error"] == f"the EP group is being built (2 ranks); now {PLACING}"
         assert _time_refusals(c) < 0.1
         assert c.get("/health").json()["blocker"] == PLACING
+        g = MoerayRpc(router).health()  # gRPC Health says the same
+        assert g.status == pb.HealthResponse.STATUS_NOT_SERVING and g.detail == h["error"]
         held.release.set()
         assert _wait_status(router, "ok")["ok"] and router.health().get("blocker") is None
         # a rank fails; the rebuild's first attempt times out on the placement group, the second one gets it
@@ -133,6 +137,7 @@ def test_refusals_come_within_100_ms_and_health_names_the_blocker(held, tiny_moe
         assert at_pause == ["rank 1 failed during a step (RuntimeError); now attempt 1 failed (placement group not "
                             "ready within 60.0s after a rank failure); retrying in 2 s"]
         assert c.get("/health").status_code == 200 and router.health().get("blocker") is None
+        assert MoerayRpc(router).health().detail == ""
     router.close()
 
 
