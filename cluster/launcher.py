@@ -5,6 +5,7 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -16,7 +17,7 @@ from cluster.config import ClusterConfig
 from cluster.elastic_group import ElasticGroup
 from cluster.lost_nodes import ask_health, avoid_selector, silent_nodes
 from cluster.metrics import aggregate_stats
-from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, rank_bundles
+from cluster.node_groups import PlacementTimeoutError, bundle_of, describe_unplaced, describe_wanted, rank_bundles
 from cluster.placement import contiguous_placement, eplb_placement, expected_rank_load, redundant_placement
 
 log = logging.getLogger("moeray.cluster")
@@ -25,7 +26,8 @@ log = logging.getLogger("moeray.cluster")
 class EPCluster(ElasticGroup):
     """An expert-parallel group: `ranks` RankWorker actors on one placement group: one bundle per rank, or with
     `ranks_per_node` = N one per node group, rank r in bundle r // N (`cluster.node_groups`); with redundant
-    experts a lost rank is dropped and replaced while the others serve (`cluster.elastic_group`).
+    experts a lost rank is dropped and replaced while the others serve (`cluster.elastic_group`). `on_stage(what)`,
+    if given (also to `restart`), hears what the build or a rebuild waits on at each stage (the router's /health).
 
     Raises:
         PlacementTimeoutError (a TimeoutError): the placement group cannot be scheduled within
@@ -34,8 +36,11 @@ class EPCluster(ElasticGroup):
         ray.exceptions.RayActorError: a rank failed during setup (message includes the cause).
     """
 
-    def __init__(self, cfg: ClusterConfig, setup_timeout_s: float = 300.0):
-        self.cfg = cfg
+    on_stage: Callable[[str], None] | None = None
+
+    def __init__(self, cfg: ClusterConfig, setup_timeout_s: float = 300.0,
+                 on_stage: Callable[[str], None] | None = None):
+        self.cfg, self.on_stage = cfg, on_stage
         mc = ModelConfig.from_pretrained(cfg.model)
         self.model_config = mc
         self._dense = [l for l in range(mc.num_layers) if not mc.moe_layers[l]]
@@ -45,6 +50,7 @@ class EPCluster(ElasticGroup):
         self._avoid: set[str] = set()  # node ids a rebuild or a replacement found lost (`cluster.lost_nodes`)
         self._own: dict = {}  # slot -> a replacement's own placement group, off a lost node (`cluster.elastic_group`)
         self.pg = self._placement_group()
+        self._stage(self._placing())
         ready, _ = ray.wait([self.pg.ready()], timeout=cfg.placement_timeout_s)
         if not ready:
             remove_placement_group(self.pg)
@@ -73,6 +79,18 @@ class EPCluster(ElasticGroup):
                         "MOERAY_DISABLE_CPU_KERNELS=1): PyTorch paths, same results, about half the decode speed",
                         slow)
 
+    def _stage(self, what: str) -> None:
+        """Tell `on_stage` (if set) what the build or rebuild waits on now."""
+        if self.on_stage is not None:
+            self.on_stage(what)
+
+    def _placing(self) -> str:
+        """The stage while Ray places the ranks' placement group: what it asks for, the strategy, lost nodes avoided."""
+        what, need = describe_wanted(self.cfg)
+        off = f", off {len(self._avoid)} lost node(s)" if self._avoid else ""
+        return (f"waiting for Ray to place the ranks' placement group ({what} under {self.cfg.placement_strategy}"
+                f"{need}{off})")
+
     def _placement_group(self):
         """The ranks' placement group (one bundle per rank or node group), kept off the nodes in `self._avoid`."""
         cfg = self.cfg
@@ -85,6 +103,7 @@ class EPCluster(ElasticGroup):
         placement and join them in a new process group (a fresh rendezvous store, on a port rank 0 holds from the
         bind on, each time)."""
         cfg = self.cfg
+        self._stage(f"starting {cfg.ranks} rank actors (reading the weights, forming the process group)")
         actor_cls = ray.remote(RankWorker)
         self.slots = list(range(cfg.ranks))
         self.ranks = [
@@ -123,7 +142,8 @@ class EPCluster(ElasticGroup):
             except Exception:  # noqa: BLE001 - already dead
                 pass
 
-    def restart(self, timeout_s: float = 60.0, silent: frozenset[int] = frozenset()) -> float:
+    def restart(self, timeout_s: float = 60.0, silent: frozenset[int] = frozenset(),
+                on_stage: Callable[[str], None] | None = None) -> float:
         """Tear the whole EP group down and bring up a new one: every rank joins every all-to-all, so one
         dead rank leaves the others unable to step. Kills every rank actor (the survivors may be blocked in a
         collective until the process-group timeout, so they are only asked `health`: a rank that gives no answer
@@ -131,14 +151,16 @@ class EPCluster(ElasticGroup):
         that node, `cluster.lost_nodes`; so it is, too, when an elastic replacement had left its bundle for a group
         of its own, which is removed: `cluster.elastic_group`), starts new actors in the placement group's bundles
         with the initial expert placement, and joins them in a new process group. KV caches and in-flight
-        sequences are lost: the caller fails them first. silent: ranks the caller already found silent (not asked again). Returns the
-        seconds taken.
+        sequences are lost: the caller fails them first. silent: ranks the caller already found silent (not asked
+        again). on_stage: replaces the constructor's (`_stage`). Returns the seconds taken.
 
         Raises:
             TimeoutError: the placement group or the new ranks are not ready within `timeout_s`.
             ray.exceptions.RayActorError: a new rank failed during setup.
         """
         t0 = time.perf_counter()
+        self.on_stage = on_stage or self.on_stage
+        self._stage("asking the old ranks whether their nodes are alive")
         lost = silent_nodes(self.pg, self.ranks, self._bundles(self.slots), known=silent)
         self._kill_ranks()
         # Ray still counts lost nodes alive and keeps bundles there: a new group, off them (also when a replacement
@@ -149,6 +171,7 @@ class EPCluster(ElasticGroup):
             remove_placement_group(self.pg)
             self.pg = self._placement_group()
         self.placement = self._initial_placement  # all cfg.ranks ranks again, even after a `shrink`
+        self._stage(self._placing())
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             raise TimeoutError(f"placement group not ready within {timeout_s}s after a rank failure")

@@ -37,19 +37,26 @@ class PlacementTimeoutError(TimeoutError):
     with the same layout on the same cluster can do better, so callers report it instead of retrying."""
 
 
-def describe_unplaced(cfg, timeout_s: float) -> str:
-    """The TimeoutError message for a rank placement group of `cfg` (a ClusterConfig) not placed within
-    `timeout_s` seconds: what it asked for, under which strategy, and the alive nodes / cluster resources."""
+def describe_wanted(cfg) -> tuple[str, str]:
+    """What a rank placement group of `cfg` (a ClusterConfig) asks for, as (what, need): "2 x {'CPU': 1.0}" or the
+    node groups of `ranks_per_node`, and under STRICT_SPREAD with node groups how many nodes that takes (else "")."""
     bundles = rank_bundles(cfg.ranks, cfg.num_cpus_per_rank, cfg.num_gpus_per_rank, cfg.ranks_per_node)
-    try:
-        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
-    except Exception:  # noqa: BLE001 - the message is best effort
-        alive = "?"
     what, need = f"{cfg.ranks} x {bundles[0]}", ""
     if cfg.ranks_per_node:
         what = (f"{len(bundles)} node groups of ranks_per_node={cfg.ranks_per_node} ranks ({len(bundles)} x "
                 f"{bundles[0]})")
         if cfg.placement_strategy == "STRICT_SPREAD":
             need = f": each group on its own node, so it needs {len(bundles)} nodes with that much free"
+    return what, need
+
+
+def describe_unplaced(cfg, timeout_s: float) -> str:
+    """The TimeoutError message for a rank placement group of `cfg` (a ClusterConfig) not placed within
+    `timeout_s` seconds: what it asked for, under which strategy, and the alive nodes / cluster resources."""
+    try:
+        alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    except Exception:  # noqa: BLE001 - the message is best effort
+        alive = "?"
+    what, need = describe_wanted(cfg)
     return (f"placement group of {what} not schedulable within {timeout_s}s under {cfg.placement_strategy}{need} "
             f"({alive} alive nodes; cluster resources: {ray.cluster_resources()})")

@@ -21,6 +21,10 @@ import time
 
 log = logging.getLogger("moeray.router")
 
+# a replacement not placed in time (no room off the lost node, e.g. STRICT_SPREAD with no spare node) is tried again
+# after this many seconds, doubling up to the second figure, for as long as the smaller group is the current one
+REJOIN_RETRY_S = (10.0, 60.0)
+
 
 def try_shrink(router, gen: int, rank: int, reason: str, detail: str) -> bool:
     """First report of rank `rank`'s loss in generation `gen`: start the elastic path and return True, or return
@@ -78,13 +82,20 @@ def rejoin(router, gen: int) -> dict | None:
     then switched in between steps (`finish_grow`: new requests refused with a retriable error meanwhile), the
     streams, load accounting and channels renumbered. Returns the launcher's report (+ `rejoin_s`, seconds from
     the start to serving on the whole group), or None when it could not (logged; the smaller group keeps serving,
-    or a failed switch rebuilds the whole group)."""
-    t0 = time.monotonic()
-    try:
-        prepared = router.cluster.prepare_grow()
-    except Exception as e:  # noqa: BLE001 - no replacement now: the survivors go on alone
-        log.error("no replacement rank (%s: %s): serving on %d ranks", type(e).__name__, e, len(router.cluster.ranks))
-        return None
+    or a failed switch rebuilds the whole group). A replacement not placed or loaded in time (TimeoutError) is
+    tried again after `REJOIN_RETRY_S` (a node may join later) while generation `gen` lasts."""
+    t0, pause = time.monotonic(), REJOIN_RETRY_S[0]
+    while True:
+        try:
+            prepared = router.cluster.prepare_grow()
+            break
+        except Exception as e:  # noqa: BLE001 - no replacement now: the survivors go on alone
+            again = isinstance(e, TimeoutError)
+            log.error("no replacement rank (%s: %s): serving on %d ranks%s", type(e).__name__, e,
+                      len(router.cluster.ranks), f"; trying again in {pause:.0f} s" if again else "")
+            if not again or not _wait_in_generation(router, gen, pause):
+                return None
+            pause = min(2 * pause, REJOIN_RETRY_S[1])
     with router._lock:
         if gen != router._gen or router._closed or router._recovering is not None:
             router.cluster.abandon_grow(prepared)  # its actor killed, its own placement group (if any) removed
@@ -117,6 +128,16 @@ def rejoin(router, gen: int) -> dict | None:
     log.warning("serving on the whole group again (%d ranks), %.2f s after the replacement started",
                 info["world_size"], info["rejoin_s"])
     return info
+
+
+def _wait_in_generation(router, gen: int, seconds: float) -> bool:
+    """Sleep `seconds`; False as soon as generation `gen` is over (a rebuild, a regroup) or the router closes."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if gen != router._gen or router._closed:
+            return False
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    return gen == router._gen and not router._closed
 
 
 def _pending_aborts(router) -> list[str]:

@@ -11,7 +11,8 @@ any poller finds its rank dead (the actor is gone), failed (its loop raised: a c
 pg_timeout_s) or silent (node lost without a reset: `RankSilent`), the router (1) refuses new requests: retriable
 `EngineError` (HTTP 503 / gRPC UNAVAILABLE), (2) ends every in-flight request at once with
 `finish_reason="error"` (retriable: 503 / UNAVAILABLE at the front doors), (3) kills every rank and starts a new
-EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up, and (4) serves again.
+EP group (new actors, new process group: `EPCluster.restart`), retrying until it is up (`router_service.rebuild`;
+`health()` names what it waits on), and (4) serves again.
 Pollers belong to one cluster generation and exit when it ends. Redundant experts: `router_service.elastic`.
 """
 from __future__ import annotations
@@ -30,12 +31,13 @@ from actors.engine.sampling import SamplingParams
 from actors.rank.output_channel import ABORT, REQUEST
 from actors.model.config import ModelConfig
 from cluster.config import ClusterConfig
-from cluster.launcher import EPCluster, PlacementTimeoutError
+from cluster.launcher import EPCluster
 from router_service.admission import PromptAdmission, default_max_queue
 from router_service.elastic import try_shrink
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.prefix_affinity import RankChooser
 from router_service.rank_channels import RankChannels
+from router_service.rebuild import rebuild
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
@@ -76,6 +78,7 @@ class Router:
         self._closed = False
         self._gen = 0  # cluster generation: pollers of an older one exit
         self._recovering: str | None = None  # the failure being recovered from, while the group is rebuilt
+        self._blocker: str | None = None  # what that build / rebuild waits on now (`on_stage`)
         self._recovering_since = 0.0  # time.monotonic() when it started
         self.recoveries: list[dict] = []  # one entry per rebuild: reason, failed requests, seconds down
         self.rejoins: list[dict] = []  # elastic EP: one entry per replacement rank switched in
@@ -87,7 +90,7 @@ class Router:
         else:  # built like a rebuild (same refusals meanwhile), without failing anything
             self._recovering = f"the EP group is being built ({self.cfg.ranks} ranks)"
             self._recovering_since = time.monotonic()
-            threading.Thread(target=self._rebuild, args=(self._recovering, 0, self._recovering_since),
+            threading.Thread(target=rebuild, args=(self, EPCluster, self._recovering, 0, self._recovering_since),
                              daemon=True, name="ep-build").start()
 
     def _start_pollers(self) -> None:
@@ -223,46 +226,17 @@ class Router:
                 return
             self._gen += 1
             self._channels.close()  # the old generation's channels take no more control frames
-            self._recovering = reason
+            self._recovering, self._blocker = reason, None
             self._recovering_since = t0 = time.monotonic()
         log.error("%s: failing in-flight requests and rebuilding the EP group (%s)", reason, detail or reason)
         n = self._fail_rank(None, f"{reason}; the EP group is being rebuilt, retry the request")
-        threading.Thread(target=self._rebuild, args=(reason, n, t0), daemon=True, name="ep-rebuild").start()
+        threading.Thread(target=rebuild, args=(self, EPCluster, reason, n, t0), daemon=True, name="ep-rebuild").start()
 
-    def _rebuild(self, reason: str, failed: int, t0: float) -> None:
-        attempt, first = 0, self.cluster is None
-        while not self._closed:
-            attempt += 1
-            try:
-                if first:
-                    cluster = EPCluster(self.cfg)
-                    with self._lock:
-                        self.cluster = cluster
-                        if self._closed:  # closed while it was being built
-                            break
-                else:
-                    self.cluster.restart(silent=self._channels.silent)  # the old generation's channels
-                break
-            except (ValueError, PlacementTimeoutError) as e:  # no attempt can place it: say so, stop trying
-                if not first:
-                    raise
-                log.error("EP group cannot be built: %s", e)
-                with self._lock:
-                    self._start_error = f"the EP group cannot be built: {e}"
-                return
-            except Exception as e:  # noqa: BLE001 - keep trying: the alternative is a manual restart
-                log.error("EP group %s attempt %d failed: %s: %s", "build" if first else "rebuild", attempt,
-                          type(e).__name__, e)
-                time.sleep(min(2.0 * attempt, 10.0))
+    def on_stage(self, what: str) -> None:
+        """What the EP group's build or rebuild waits on now (the launcher's stages, a failed attempt): `health()`
+        names it beside what started the outage. Called from the build thread."""
         with self._lock:
-            if self._closed:
-                return
-            self._recovering = None
-            if not first:
-                self.recoveries.append({"reason": reason, "failed_requests": failed, "attempts": attempt,
-                                        "down_s": time.monotonic() - t0, "generation": self.cluster.generation})
-            self._start_pollers()
-        log.warning("EP group %s after %.1f s (attempts: %d)", "up" if first else "up again", time.monotonic() - t0, attempt)
+            self._blocker = what
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Graceful shutdown: refuse new requests (retriable EngineError: HTTP 503 / gRPC UNAVAILABLE), let the
@@ -292,17 +266,19 @@ class Router:
     def health(self) -> dict:
         """{ok, status ("ok" | "starting" | "recovering" | "draining" | "failed" | "unhealthy"), ranks: [{rank, ok, error}], recoveries
         (count), recovering_s (seconds since the failure, while recovering)}. Draining (after `drain`): not ok.
-        While the EP group is rebuilt, `ranks` is empty and `status` is "recovering" (the replica is alive)."""
+        While the EP group is built or rebuilt, `ranks` is empty, `status` is "starting" / "recovering" (the replica
+        is alive), `blocker` what it waits on now (`on_stage`, or None) and `error` what started it and that."""
         with self._lock:
             recovering, since, draining = self._recovering, self._recovering_since, self._draining
-            starting, start_error = self.cluster is None, self._start_error
+            starting, start_error, blocker = self.cluster is None, self._start_error, self._blocker
         if start_error is not None:
             return {"ok": False, "status": "failed", "error": start_error, "ranks": [], "recoveries": 0}
         if draining:  # probes (HTTP /health, gRPC Health) must say so: new requests are refused from now on
             return {"ok": False, "status": "draining", "error": "the server is shutting down", "ranks": [],
                     "recoveries": len(self.recoveries)}
         if recovering is not None:
-            return {"ok": False, "status": "starting" if starting else "recovering", "error": recovering, "ranks": [],
+            return {"ok": False, "status": "starting" if starting else "recovering", "ranks": [], "blocker": blocker,
+                    "error": recovering if blocker is None else f"{recovering}; now {blocker}",
                     "recovering_s": time.monotonic() - since, "recoveries": len(self.recoveries)}
         ranks = self.cluster.health()
         ok = all(r.get("ok") for r in ranks)

@@ -47,7 +47,9 @@ segment and publishes its name, every other rank tries to attach and reports suc
 store, and rank 0 publishes the verdict: shared memory only if every rank attached within `attach_timeout_s`,
 else every rank closes its mapping and returns None together (gloo for everything). The name is unlinked on
 every path out of `setup` (success, a failed attach, the attach timeout, an exception), after the verdict or
-on the way out of an error, so the memory lives exactly as long as the mappings, also after a crash.
+on the way out of an error, so the memory lives exactly as long as the mappings, also after a crash; if rank 0
+is killed before that (SIGKILL mid-setup), its registration with Python's resource tracker, which only the
+creator makes and keeps until it unlinks the name, has the tracker unlink it.
 `MOERAY_SHM=0` in any rank's environment turns the transport off for the whole group.
 """
 from __future__ import annotations
@@ -57,11 +59,12 @@ import os
 import platform
 import secrets
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
 
+from actors.rank.shm_segment import open_untracked, unlink
 from kernels.cpu.shm import shm_a2a_entry_points
 
 log = logging.getLogger("moeray.rank")
@@ -107,32 +110,6 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    # Python < 3.13 registers every attach with the resource tracker, which would unlink (or warn about) the
-    # segment when this process exits; `setup` unlinks it explicitly after the verdict. Only attaching ranks
-    # untrack: the creator unregisters the name in `_unlink`, and a second unregister made the tracker process
-    # print a KeyError traceback at every cluster start.
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the documented workaround
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _unlink(name: str, tracked: bool) -> None:
-    """Remove the segment's name (the memory stays until the last mapping goes). Any rank may call it; a name
-    already gone is fine. `tracked`: this process created it, so its resource tracker forgets it too."""
-    try:
-        shared_memory._posixshmem.shm_unlink("/" + name)  # noqa: SLF001 - SharedMemory.unlink minus tracking
-    except FileNotFoundError:
-        pass
-    if tracked:
-        try:
-            resource_tracker.unregister("/" + name, "shared_memory")
-        except Exception:  # noqa: BLE001
-            pass
-
-
-
 def check_all_to_all(out: torch.Tensor, inp: torch.Tensor, world: int) -> None:
     """The argument rule of this module's and `tcp_collective`'s `all_to_all_single`: equal contiguous CPU
     tensors of one dtype, dim 0 divisible by `world`. Raises ValueError naming both tensors otherwise."""
@@ -162,9 +139,8 @@ class ShmAllToAll:
         self.max_chunk_bytes = slot_bytes  # the most bytes per peer one call carries (`fits`)
         self.peer_pids = list(peer_pids)
         size = world * LINE + 2 * world * world * slot_bytes
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)
-        if not create:
-            _untrack(self.shm)
+        self.shm = (shared_memory.SharedMemory(name=name, create=True, size=size) if create else
+                    open_untracked(name, size))
         self._counters = np.ndarray((world, LINE // 8), dtype=np.int64, buffer=self.shm.buf)[:, 0]
         if create:
             self._counters[:] = 0
@@ -221,7 +197,7 @@ class ShmAllToAll:
                     verdict = store.get(f"{prefix}/verdict").decode()
         finally:
             if name:  # after the verdict nobody attaches any more; on an error, nobody should
-                _unlink(name, tracked=rank == 0 and inst is not None)
+                unlink(name, tracked=rank == 0 and inst is not None)
             if verdict != "ok" and inst is not None:
                 inst.close()
                 inst = None

@@ -260,10 +260,13 @@ class MoerayRpc:
         return pb.CancelResponse(found=found)
 
     def health(self) -> pb.HealthResponse:
+        """SERVING, or NOT_SERVING with `detail` saying why (`Router.health`'s error: the build or rebuild's trigger and
+        blocker, draining, a failed build); each rank's health once the EP group is up."""
         h = self.router.health()
         return pb.HealthResponse(
             status=pb.HealthResponse.STATUS_SERVING if h["ok"] else pb.HealthResponse.STATUS_NOT_SERVING,
-            ranks=[pb.RankHealth(rank=r["rank"], ok=bool(r.get("ok")), error=r.get("error") or "") for r in h["ranks"]])
+            ranks=[pb.RankHealth(rank=r["rank"], ok=bool(r.get("ok")), error=r.get("error") or "") for r in h["ranks"]],
+            detail="" if h["ok"] else h.get("error") or "")
 
     def list_models(self) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(

@@ -1,7 +1,7 @@
 """Elastic EP through the router: with redundant experts the same greedy tokens, the memory cost reported, and after
 one rank is SIGKILLed mid-generation its requests end with a retriable error while the survivor's streams complete
-with the tokens of an undisturbed run, no actor restarted, no KV block leaked, no hang. The stall bound asserted
-here is loose (a loaded 2-core machine); `bench/failover.py --quick` measures it (issue target: <= 2 s)."""
+with the tokens of an undisturbed run, no actor restarted, no KV block leaked, no hang, and the survivor's streams
+stall at most 2 s (issue 19's target; `bench/failover.py --quick` measures 0.04-0.09 s)."""
 from __future__ import annotations
 
 import os
@@ -97,7 +97,7 @@ def test_sigkilled_rank_survivor_keeps_serving(llm):
             stalls.append(after[0] - (t_kill - s.t0))
     assert stalls, "the survivor's streams had finished before the kill: nothing was tested"
     print(f"survivor stall after SIGKILL: {max(stalls):.3f} s")
-    assert max(stalls) < 10.0
+    assert max(stalls) <= 2.0, stalls  # issue 19: <= 2 s after a SIGKILLed rank
     rec = router.recoveries[-1]
     assert rec["elastic"] and rec["world_size"] == 1 and rec["failed_requests"] == len(on_victim)
     # the survivor alone, holding every expert, serves new requests with the same tokens while a replacement rank

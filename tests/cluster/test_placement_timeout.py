@@ -131,6 +131,22 @@ def test_unplaceable_llm_fails_within_the_timeout(ray_session, tiny_model_dir):
     assert pending == []
 
 
+def test_the_placement_wait_is_said_as_a_stage(ray_session, tiny_model_dir):
+    """`EPCluster(on_stage=...)` says what it waits on while Ray cannot place the group (what the router's /health
+    names as the blocker, issue 19), in describe_unplaced's words for the layout, before the timeout ends it."""
+    from cluster.config import ClusterConfig
+    from cluster.launcher import EPCluster
+
+    said = []
+    cfg = ClusterConfig(model=tiny_model_dir("qwen2_moe", num_layers=2), ranks=2, ranks_per_node=1,
+                        num_cpus_per_rank=0.5, max_model_len=64, kv_cache_bytes=2 << 20, placement_timeout_s=1)
+    with pytest.raises(PlacementTimeoutError):
+        EPCluster(cfg, on_stage=said.append)
+    assert said == ["waiting for Ray to place the ranks' placement group (2 node groups of ranks_per_node=1 ranks "
+                    "(2 x {'CPU': 0.5}) under STRICT_SPREAD: each group on its own node, so it needs 2 nodes with "
+                    "that much free)"]
+
+
 def test_cli_reports_an_unplaceable_layout_without_a_traceback(tmp_path):
     """The issue's case, end to end: `moeray generate --ranks 2 --ranks-per-node 1` on a one-node (private) Ray
     exits 1 within the timeout + Ray's start, with the one error line and no traceback."""

@@ -147,9 +147,13 @@ def test_sigkilled_serve_leaves_no_actor(head, tiny_model_dir):
         up = head.state()
         assert up["classes"] == APP_CLASSES and len(up["pgs"]) == 1, up  # the app, its rank and the watchdog
         proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
         proc.wait(10)
         left = wait_empty(head, 45.0)  # the lease (15 s) runs out, then the app and Serve are deleted
+        took = time.monotonic() - t0  # an upper bound: each look at the cluster is a new driver (a few s)
         assert left["actors"] == [] and left["pgs"] == [], left
+        print(f"torn down {took:.1f} s after the SIGKILL")
+        assert took <= 30.0, f"the app outlived its command by {took:.1f} s (issue 19: within 30 s)"
         assert health(port) is None  # nobody listens on the port any more
     finally:
         if proc.poll() is None:

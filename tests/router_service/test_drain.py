@@ -50,6 +50,7 @@ def test_drain_finishes_short_ends_long_and_refuses_new(llm):
 
     with TestClient(create_app(router)) as c:
         assert c.get("/health").status_code == 503
-    assert MoerayRpc(router).health().status == pb.HealthResponse.STATUS_NOT_SERVING
+    g = MoerayRpc(router).health()
+    assert g.status == pb.HealthResponse.STATUS_NOT_SERVING and g.detail == "the server is shutting down"
     s = wait_idle(router)
     assert s["kv_blocks_free"] == total and s["running"] == 0

@@ -248,3 +248,50 @@ def test_an_error_in_setup_still_unlinks_the_segment(monkeypatch):
         ShmAllToAll.setup(store, 0, 2, timeout_s=5.0, slot_bytes=1024)
     name = store.get("moeray/shm/name").decode()
     assert name.startswith("moeray_") and not os.path.exists(f"/dev/shm/{name}")
+
+
+_KILLED_MID_SETUP = """
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from actors.rank.shm_collective import ShmAllToAll, _node_id
+
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timedelta(seconds=120), wait_for_workers=False)
+store.set("moeray/shm/node/1", f"{_node_id()}|{os.getpid()}|1")  # rank 1 announced itself, then never attaches
+collect = ShmAllToAll._collect
+
+
+def say_name(store, prefix, world, wait_s):
+    print("NAME", store.get(prefix + "/name").decode(), flush=True)
+    return collect(store, prefix, world, wait_s)
+
+
+ShmAllToAll._collect = staticmethod(say_name)
+ShmAllToAll.setup(store, 0, 2, timeout_s=5.0, slot_bytes=1 << 20, attach_timeout_s=60)
+"""
+
+
+def test_rank_0_killed_mid_setup_leaves_no_segment():
+    """Issue 19, the kill path out of setup: rank 0 SIGKILLed while it waits for the attach reports (its segment
+    created, not yet unlinked) leaves nothing in /dev/shm: the creator's registration with Python's resource
+    tracker, kept until `setup` unlinks the name itself, unlinks it when the process dies."""
+    import signal
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    p = subprocess.Popen([sys.executable, "-c", _KILLED_MID_SETUP], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("NAME moeray_"), line
+        path = f"/dev/shm/{line.split()[1]}"
+        assert os.path.exists(path)  # created, waiting for rank 1's report
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+    deadline = time.monotonic() + 10
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(path), f"{path} left behind by a SIGKILLed rank 0"

@@ -184,7 +184,7 @@ class RankHealth(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "ranks")
+    __slots__ = ("status", "ranks", "detail")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[HealthResponse.Status]
@@ -195,9 +195,11 @@ class HealthResponse(_message.Message):
     STATUS_NOT_SERVING: HealthResponse.Status
     STATUS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     status: HealthResponse.Status
     ranks: _containers.RepeatedCompositeFieldContainer[RankHealth]
-    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ...) -> None: ...
+    detail: str
+    def __init__(self, status: _Optional[_Union[HealthResponse.Status, str]] = ..., ranks: _Optional[_Iterable[_Union[RankHealth, _Mapping]]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
