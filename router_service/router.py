@@ -37,13 +37,13 @@ from router_service.elastic import try_shrink
 from router_service.errors import EngineError, InvalidRequestError, OverloadedError
 from router_service.prefix_affinity import RankChooser
 from router_service.rank_channels import RankChannels
-from router_service.rebuild import rebuild
+from router_service.rebuild import GroupRebuild
 from router_service.stream import RequestOutput, RequestStream
 
 log = logging.getLogger("moeray.router")
 
 
-class Router:
+class Router(GroupRebuild):
     """Front of the EP cluster: admission and validation at the edge, the rank choice (`RankChooser`: the rank
     likely to hold the longest cached prefix when load allows, else the least-loaded; `cfg.prefix_routing`).
 
@@ -90,7 +90,7 @@ class Router:
         else:  # built like a rebuild (same refusals meanwhile), without failing anything
             self._recovering = f"the EP group is being built ({self.cfg.ranks} ranks)"
             self._recovering_since = time.monotonic()
-            threading.Thread(target=rebuild, args=(self, EPCluster, self._recovering, 0, self._recovering_since),
+            threading.Thread(target=self._rebuild, args=(EPCluster, self._recovering, 0, self._recovering_since),
                              daemon=True, name="ep-build").start()
 
     def _start_pollers(self) -> None:
@@ -230,13 +230,7 @@ class Router:
             self._recovering_since = t0 = time.monotonic()
         log.error("%s: failing in-flight requests and rebuilding the EP group (%s)", reason, detail or reason)
         n = self._fail_rank(None, f"{reason}; the EP group is being rebuilt, retry the request")
-        threading.Thread(target=rebuild, args=(self, EPCluster, reason, n, t0), daemon=True, name="ep-rebuild").start()
-
-    def on_stage(self, what: str) -> None:
-        """What the EP group's build or rebuild waits on now (the launcher's stages, a failed attempt): `health()`
-        names it beside what started the outage. Called from the build thread."""
-        with self._lock:
-            self._blocker = what
+        threading.Thread(target=self._rebuild, args=(EPCluster, reason, n, t0), daemon=True, name="ep-rebuild").start()
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Graceful shutdown: refuse new requests (retriable EngineError: HTTP 503 / gRPC UNAVAILABLE), let the
