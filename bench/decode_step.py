@@ -104,7 +104,10 @@ def instrument(reg: Regions) -> None:
     patch(experts.ExpertRows, "run", "experts")
 
 
-def build(model: str, batch: int, max_tokens: int):
+def build(model: str, batch: int, max_tokens: int, *, placement=None, rank: int = 0, group=None, shm=None,
+          first: int = 0):
+    """A one-thread `RankEngine` holding `batch` greedy requests (short synthetic prompts, EOS ignored): requests
+    first .. first + batch - 1 of one fixed list. placement / rank / group / shm: an EP rank's (default: one rank)."""
     import torch
 
     from actors.engine.config import EngineConfig
@@ -117,9 +120,9 @@ def build(model: str, batch: int, max_tokens: int):
     torch.set_num_threads(1)
     mc = ModelConfig.from_pretrained(model)
     eng = RankEngine(EngineConfig(model=model, num_threads=1, max_num_seqs=max(64, batch)),
-                     ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
+                     placement or ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1), rank, group, shm=shm)
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True).to_dict()
-    for i in range(batch):
+    for i in range(first, first + batch):
         prompt = [(7 * i + 3 * j) % 4000 + 10 for j in range(12 + i % 7)]
         eng.add_request(GenerateRequest(request_id=str(i), prompt_ids=prompt, params=p))
     return eng
