@@ -11,7 +11,8 @@ hits all alike; every figure is the median over rounds. Per server and round:
     (an SSE chunk may carry more than one token when text is held back: gaps are per chunk). CPU seconds of every
     process of the server's tree (psutil) over the load, per streamed token, by class: front door (moeray: the Serve
     replica and proxy; vLLM: the API server process), ranks (moeray's rank actors; vLLM: its engine core), total
-    (every process of the tree: Ray's GCS, raylet, dashboard and workers included).
+    (every process of the tree: Ray's GCS, raylet, dashboard and workers included); and the load generator's own
+    CPU per token (this process: it shares the cores with the server, so it is printed, not counted in total).
   - TTFT of a 500-token prompt (max_tokens 1), idle (median of three prompts), and while 32 streams decode.
   - max_gap_ratio: while 32 streams decode, a 1,000-token prompt arrives, and later a 4 MiB request body (which
     moeray refuses with 400 before tokenizing). For each stream, its largest gap in the 3 s after an arrival /
@@ -199,9 +200,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def load(srv: Server, sess, conc: int, prompts: list[str]) -> dict:
-    c0, t0 = srv.cpu(), time.perf_counter()
+    c0, t0, l0 = srv.cpu(), time.perf_counter(), time.process_time()
     res = await asyncio.gather(*[stream(sess, srv.port, prompts[i % len(prompts)]) for i in range(conc)])
-    wall, c1 = time.perf_counter() - t0, srv.cpu()
+    wall, c1, l1 = time.perf_counter() - t0, srv.cpu(), time.process_time()
     tokens = conc * OUT_TOKENS
     bad = sum(r["status"] != 200 for r in res)
     gaps = [b - a for r in res for a, b in zip(r["times"], r["times"][1:])]
@@ -209,7 +210,8 @@ async def load(srv: Server, sess, conc: int, prompts: list[str]) -> dict:
     return {"tps": tokens / wall if not bad else 0.0, "ttft_p50": pct([r["times"][0] - r["t0"] for r in res if r["times"]], .5),
             "ttft_p99": pct([r["times"][0] - r["t0"] for r in res if r["times"]], .99),
             "itl_p50": pct(gaps, .5), "itl_p99": pct(gaps, .99), "failed": bad,
-            "frontdoor_cpu": cpu["frontdoor"], "ranks_cpu": cpu["ranks"], "total_cpu": sum(cpu.values())}
+            "frontdoor_cpu": cpu["frontdoor"], "ranks_cpu": cpu["ranks"], "total_cpu": sum(cpu.values()),
+            "client_cpu": (l1 - l0) * 1e3 / tokens}  # this load generator's own (not counted in total_cpu)
 
 
 async def ttft_probe(srv: Server, sess, prompt: str, busy_prompts: list[str] | None) -> float:
@@ -353,6 +355,8 @@ def report(results: dict, concs: list[int], a, peer: bool) -> None:
         rows.append((f"{c} streams ITL p50/p99 ms", lambda r, c=c: (r["loads"][c]["itl_p50"] * 1e3, r["loads"][c]["itl_p99"] * 1e3), "pair"))
         rows.append((f"{c} streams CPU ms/token front door / ranks / total",
                      lambda r, c=c: (r["loads"][c]["frontdoor_cpu"], r["loads"][c]["ranks_cpu"], r["loads"][c]["total_cpu"]), "triple"))
+        rows.append((f"{c} streams load generator CPU ms/token (this process, not in total)",
+                     lambda r, c=c: r["loads"][c].get("client_cpu", float("nan")), "{:.3f}"))
     rows += [("TTFT 500-token prompt idle ms", lambda r: r["ttft500"] * 1e3, "{:.1f}"),
              ("TTFT 500-token prompt, 32 streams busy ms", lambda r: r["ttft500_busy"] * 1e3, "{:.1f}"),
              ("max gap ratio (1k prompt, 4 MiB body)", lambda r: r["max_gap_ratio"], "{:.2f}")]
