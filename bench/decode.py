@@ -134,7 +134,7 @@ def main():
         res[("transformers", c)] = hf_throughput(hf, prompts[:c], n_tp)
     del hf
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     bd = []
     for ranks in (1, 2):
         name = f"moeray {ranks} rank" + ("s" if ranks > 1 else "")

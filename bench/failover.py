@@ -164,7 +164,7 @@ def main() -> None:
 
     from moeray.api import LLM
 
-    ray.init(num_cpus=max(4, args.ranks + 2), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, args.ranks + 2), include_dashboard=False, log_to_driver=False)
     llm = LLM(model=args.model, ranks=args.ranks)
     rows = []
     try:

@@ -143,7 +143,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one local Ray for both clusters
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # one local Ray for both clusters
     docs = [ids[8000 + i * a.doc_tokens:8000 + (i + 1) * a.doc_tokens] for i in range(8)]
     qs = [ids[20000 + i * 20:20000 + (i + 1) * 20] for i in range(16)]
     two = {}

@@ -89,7 +89,7 @@ def main() -> None:
     a = ap.parse_args()
     rounds = a.rounds or (2 if a.quick else 4)
     import ray
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     ps = prompts(a.streams)
     res: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGS}
     for rnd in range(rounds):

@@ -55,7 +55,10 @@ class LLM:
                 ray.init(address=addr, log_to_driver=False)
             else:
                 need = self.config.ranks * self.config.num_cpus_per_rank
-                ray.init(num_cpus=max(2, int(need + 1.999)), include_dashboard=False, log_to_driver=False)
+                # "local": a private cluster even when a `ray start` on this machine recorded one (ray.init()'s
+                # default would join it, and refuse num_cpus there)
+                ray.init(address="local", num_cpus=max(2, int(need + 1.999)), include_dashboard=False,
+                         log_to_driver=False)
                 self._started_ray = True
         try:
             self.cluster = EPCluster(self.config)

@@ -162,8 +162,8 @@ def enable_ray_token_auth() -> bool:
 
 
 def init_ray(address: str | None) -> None:
-    """Join `address`, or start a private local Ray with token authentication (see `enable_ray_token_auth`).
-    Does nothing if Ray is already initialized in this process."""
+    """Join `address`, or start a private local Ray with token authentication (see `enable_ray_token_auth`), also
+    when a `ray start` cluster runs on this machine. Does nothing if Ray is already initialized in this process."""
     import ray
 
     if ray.is_initialized():
@@ -172,10 +172,9 @@ def init_ray(address: str | None) -> None:
         ray.init(address=address, log_to_driver=True)
         return
     enable_ray_token_auth()
-    if address:
-        ray.init(address=address, include_dashboard=False)
-    else:
-        ray.init(include_dashboard=False)
+    # "local", never ray.init()'s default: with no address Ray joins the cluster a `ray start` on this machine
+    # recorded (/tmp/ray/ray_current_cluster), where this server would not be private
+    ray.init(address=address or "local", include_dashboard=False)
 
 
 def cmd_serve(a) -> int:

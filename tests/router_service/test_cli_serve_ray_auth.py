@@ -1,5 +1,6 @@
 """`moeray serve` starts its own local Ray with token authentication (RAY_AUTH_MODE=token) unless the user
-chose a mode; joining a cluster leaves the mode alone. Unit-level: `ray.init` and `LLM` are replaced by
+chose a mode; joining a cluster leaves the mode alone. Without an address both `moeray serve` and `LLM()` start a
+private Ray (address "local"), never the cluster a `ray start` on this machine recorded. Unit-level: `ray.init` and `LLM` are replaced by
 recorders, in a subprocess, because switching Ray's cached config to token mode is process-wide."""
 from __future__ import annotations
 
@@ -37,6 +38,15 @@ os.environ["RAY_AUTH_MODE"] = "disabled"  # the user's choice wins
 out["user_disabled"] = case(None)
 
 del os.environ["RAY_AUTH_MODE"]
+def no_cluster(cfg):
+    raise ValueError("stop here")
+moeray.api.EPCluster = no_cluster  # LLM() with no address: how it starts Ray, then stop
+calls.clear()
+try:
+    moeray.api.LLM(model=sys.argv[1])
+except ValueError:
+    pass
+out["llm_local"] = calls[0]
 class FakeLLM:
     def __init__(self, **kw):
         out["grpc_only"] = {"env": os.environ.get("RAY_AUTH_MODE"), "address": kw.get("address")}
@@ -61,9 +71,13 @@ def test_serve_cli_starts_local_ray_with_token_auth(tiny_model_dir):
     assert out["joined"]["env"] is None and out["joined"]["init"]["address"] == "10.0.0.1:6379"
     # a private local Ray: token mode, set before ray.init and seen by Ray's (re-read) config
     assert out["local"]["env"] == "token" and out["local"]["init"]["mode"] == "token" and out["local"]["token"]
-    assert "address" not in out["local"]["init"]
+    # private even when a `ray start` cluster runs here: ray.init()'s default address would join that one
+    assert out["local"]["init"]["address"] == "local"
     assert out["local_address"]["init"] == {"mode": "token", "address": "local", "include_dashboard": False}
     # RAY_AUTH_MODE set by the user is left as it is
     assert out["user_disabled"]["env"] == "disabled" and out["user_disabled"]["init"]["mode"] == "disabled"
+    # LLM() with no address starts its own Ray the same way (it had joined a `ray start` cluster and failed there:
+    # "When connecting to an existing cluster, num_cpus and num_gpus must not be provided")
+    assert out["llm_local"]["address"] == "local" and out["llm_local"]["num_cpus"] >= 2
     # --http-port 0: the standalone gRPC path (LLM starts Ray) gets token mode too
     assert out["grpc_only"] == {"env": "token", "address": None} and out["grpc_only_rc"] == 2
