@@ -46,10 +46,10 @@ def add_parser(sub) -> None:
                    help="requests in flight (running + queued) before 503 / RESOURCE_EXHAUSTED (default: by memory, "
                         "1024 at max_model_len 4096)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
-                   help="HTTP request bodies above this many bytes get 413 before they are parsed (default 4 MiB)")
+                   help="HTTP request bodies above this many bytes get 413 before they are parsed (4 MiB)")
     p.add_argument("--request-timeout-s", type=float, default=ServeAppArgs.model_fields["request_timeout_s"].default,
                    help="a request still generating after this many seconds is aborted: HTTP 504, gRPC "
-                        "DEADLINE_EXCEEDED, on every server this starts (default 600)")
+                        "DEADLINE_EXCEEDED, on every server this starts")
     p.add_argument("--served-model-name", default=None, help="public model id (default: the model folder's name)")
     p.add_argument("--address", default=None, help="Ray address (else RAY_ADDRESS, else a private local Ray)")
     p.add_argument("--detach", action="store_true",

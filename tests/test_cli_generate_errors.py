@@ -1,5 +1,6 @@
-"""`moeray generate` reports a failed prompt on one short stderr line: its position and its first 57 characters, not
-the whole prompt (a 4,096-token prompt echoed back was one line of ~20 kB); the others are still printed."""
+"""`moeray generate`'s command line. A failed prompt is reported on one short stderr line: its position and its first
+57 characters, not the whole prompt (a 4,096-token prompt echoed back was one line of ~20 kB); the others are still
+printed. `--prefetch` offers every predictor."""
 from __future__ import annotations
 
 import moeray.api
@@ -42,3 +43,16 @@ def test_a_kv_profile_the_ranks_cannot_load_exits_2_before_ray(monkeypatch, caps
     assert err.startswith("moeray: error: --kv-profile: kv_profile='prose-2bit' not found among the 3-bit profiles")
     assert cli.main(["generate", "hi", "--kv-bits", "3", "--kv-profile", "nope.safetensors"]) == 2
     assert "--kv-profile" in capsys.readouterr().err
+
+
+def test_prefetch_offers_every_predictor():
+    """`--prefetch` takes every predictor `make_predictor` builds (the README's `pre_attention_prev` was refused as an
+    invalid choice), plus auto."""
+    import argparse
+
+    from actors.prefetch.predictors import PREDICTORS
+
+    p = argparse.ArgumentParser()
+    cli.add_engine_args(p)
+    action = next(a for a in p._actions if a.dest == "prefetch")
+    assert set(action.choices) == {"auto", *PREDICTORS}
