@@ -123,9 +123,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--resident-experts", type=int, default=None, metavar="N",
                    help="packed experts per layer kept in memory (unset: all); the rest are read on demand from "
                         "the memory-mapped packed --model, for models larger than memory")
-    p.add_argument("--prefetch", default="auto", choices=["auto", "none", "frequent", "markov", "lookahead", "hybrid",
-                                                           "pre_attention", "pre_attention_hybrid",
-                                                           "pre_attention_prev", "pre_attention_prev_hybrid"],
+    p.add_argument("--prefetch", default="auto", choices=["auto", "none", "frequent", "markov", "lookahead", "hybrid"]
+                   + [f"pre_attention{s}" for s in ("", "_hybrid", "_prev", "_prev_hybrid")],
                    help="packed experts only: the predictor that fills the expert cache ahead of each layer. "
                         "auto: none when the cache holds every expert, and on CPU (where prefetch measured "
                         "slower than none); the default predictor, hybrid, on CUDA or with --resident-experts")

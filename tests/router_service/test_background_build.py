@@ -4,6 +4,7 @@ group is up every request gets a retriable refusal at once (HTTP 503 + Retry-Aft
 whose construction the test holds and releases (the real build is covered by the Ray tests of `moeray serve`)."""
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -99,14 +100,18 @@ def test_requests_get_503_while_the_group_is_built(held, tiny_moe_dir):
 
 
 def _time_refusals(c, n: int = 20) -> float:
-    """The slowest of `n` completion requests, each of which must be refused with 503 + Retry-After (seconds)."""
+    """The median time of `n` completion requests (seconds), each of which must be refused with 503 + Retry-After,
+    and none slower than 1 s. A request that waited for the group would wait for its build (held here until the test
+    lets it go); the median, not the slowest, is held to 100 ms, since one refusal of 20 can meet a scheduling
+    hiccup of a loaded 2-core machine (0.31 s seen once in the full suite beside another job)."""
     took = []
     for _ in range(n):
         t0 = time.perf_counter()
         r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
         took.append(time.perf_counter() - t0)
         assert r.status_code == 503 and r.headers["retry-after"], r.text
-    return max(took)
+    assert max(took) < 1.0, took
+    return statistics.median(took)
 
 
 def test_refusals_come_within_100_ms_and_health_names_the_blocker(held, tiny_moe_dir, monkeypatch):
