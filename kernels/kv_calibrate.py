@@ -45,7 +45,7 @@ def fit_codebook(samples: torch.Tensor, bits: int, *, method: str = "kmeans", it
 
     Args:
         samples: any shape, float, normalised to roughly [-1, 1]. May be empty (returns the uniform grid).
-        bits: 2, 3 or 4.
+        bits: 1, 2, 3 or 4 (1: two levels, a layer's 1-bit values, `actors.kv.layer_widths`).
         method: "kmeans" or "uniform".
         iters: Lloyd iterations, >= 0.
     Returns:
@@ -136,7 +136,8 @@ def fit_kv_profile(
     Args:
         k_calib: [N, H, D] float, calibration keys BEFORE RoPE (per-channel structure is cleaner pre-RoPE).
         v_calib: [N, H, D] float, calibration values.
-        bits: code width, 2, 3 or 4 bits per element.
+        bits: code width, 1, 2, 3 or 4 bits per element (1: for a layer's values inside a 2-bit profile with
+            per-channel keys, `actors.kv.layer_widths`; keys then take their widths from k_channel_bits).
         n_outlier: key outlier channels per head kept in fp16, 0 <= n_outlier <= D (D bypasses K quantization).
         n_outlier_v: value outlier channels per head kept in fp16, 0 <= n_outlier_v <= D.
         percentile: in (0.5, 1]; per-channel key range is [q(1 - p), q(p)] over tokens (1.0 = min/max),

@@ -23,7 +23,8 @@ class KVQuantProfile:
     """Calibrated KV quantization profile of one layer (KVQuant, arXiv 2401.18079).
 
     Fields (H = KV heads, D = head_dim, L = 2**bits, Ok / Ov = outlier channels per head):
-        bits: code width in bits per element, 2, 3 or 4.
+        bits: code width in bits per element, 1, 2, 3 or 4 (1 only as one layer's value width inside a 2-bit
+            model profile, `actors.kv.layer_widths`; the value row is then D / 8 bytes and v_codebook 2 levels).
         k_scale: [H, D] fp32, per-channel key scale (> 0); 1 on outlier channels.
         k_zero: [H, D] fp32, per-channel key zero point (0 when calibrated without zero points).
         v_zero: [H, D] fp32, per-channel value offset removed before the per-token scale (0 = off).
