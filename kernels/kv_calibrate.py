@@ -23,7 +23,7 @@ from kernels.codebook import lloyd_max
 from kernels.kv_pack import MAX_CHANNEL_BITS, _check_bits, packed_bytes
 from kernels.kv_profile import KVQuantProfile
 from kernels.kv_quant import (_inlier_mask, _uniform_channel_codes, _uniform_channel_levels, _value_scale,
-                              nearest_level)
+                              nearest_level, value_scale_float)
 
 CODEBOOK_METHODS = ("kmeans", "uniform")
 # k-means on more points than this changes the codebook by far less than the quantization step.
@@ -130,6 +130,7 @@ def fit_kv_profile(
     k_channel_bits: int | None = None,
     query_energy: torch.Tensor | None = None,
     k_min_bits: int = 2,
+    v_scale_bits: int = 16,
 ) -> KVQuantProfile:
     """Calibrate one layer's `KVQuantProfile` offline (KVQuant, arXiv 2401.18079, sections 3.1-3.4).
 
@@ -174,6 +175,8 @@ def fit_kv_profile(
             rotation angle is that pair energy times e_d**2 / 2 (rotation-invariant, so post-RoPE queries
             give it). None = equal weights.
         k_min_bits: smallest per-channel key width, in [1, 8].
+        v_scale_bits: 16 (the per-token value scale in fp16) or 8 (an 8-bit log2 code, `KVQuantProfile`); the
+            value codebook is fitted on values normalised by the stored scale.
     Returns:
         KVQuantProfile on the device of k_calib.
     Raises:
@@ -248,7 +251,7 @@ def fit_kv_profile(
     v_zero_HD = torch.where(v_in_HD, v.mean(dim=0), torch.zeros((), device=v.device)) if use_v_zero \
         else torch.zeros(h, d, device=v.device)
     v_c = v - v_zero_HD
-    v_scale_NH = _value_scale(v_c, v_in_HD).float()
+    v_scale_NH = value_scale_float(_value_scale(v_c, v_in_HD, v_scale_bits))
     v_norm = (v_c / v_scale_NH[..., None])[:, v_in_HD]
     return KVQuantProfile(
         bits=bits,
@@ -260,6 +263,7 @@ def fit_kv_profile(
         k_outlier_idx=k_idx,
         v_outlier_idx=v_idx,
         k_bits=k_bits_HD,
+        v_scale_bits=v_scale_bits,
     )
 
 

@@ -31,7 +31,7 @@ VALUE_BITS = (2, 3, 4)
 # channel cost far more than they free (layers 0-2 at 112 bits per key row: keys-only KLD 0.018 -> 0.038).
 # BENCHMARKS.md, "1-bit values".
 VALUE_BITS_2 = (1, 2, 3, 4)
-SCALE_BITS = 16  # the fp16 per-token value scale of every head row
+SCALE_BITS = 16  # the fp16 per-token value scale of a head row (8 with an 8-bit log2 scale, `v_scale_bits`)
 
 
 def value_bits_grid(bits: int) -> tuple[int, ...]:
@@ -45,19 +45,21 @@ def key_bits_grid(head_dim: int) -> list[int]:
     return list(range(2 * head_dim, int(6.5 * head_dim) + 1, step)) + [8 * head_dim]
 
 
-def row_bits(value_bits: int, key_bits: int, head_dim: int) -> int:
+def row_bits(value_bits: int, key_bits: int, head_dim: int, scale_bits: int = SCALE_BITS) -> int:
     """Bits of one token's K and V head rows: key codes, value codes, the fp16 value scale."""
-    return key_bits + value_bits * head_dim + SCALE_BITS
+    return key_bits + value_bits * head_dim + scale_bits
 
 
 def allocate(key_kld: list[dict[int, float]], value_kld: list[dict[int, float]], head_dim: int,
-             budget_bits: float) -> list[tuple[int, int]]:
+             budget_bits: float, scale_bits: int = SCALE_BITS) -> list[tuple[int, int]]:
     """Per layer (value bits, key row bits) minimising sum_l key_kld[l][kb] + value_kld[l][vb] subject to
-    mean_l row_bits(vb, kb) / (2 D) <= budget_bits (bits per K/V element, profile tensors not counted).
+    mean_l row_bits(vb, kb, D, scale_bits) / (2 D) <= budget_bits (bits per K/V element, profile tensors not
+    counted).
 
     Args:
         key_kld, value_kld: per layer {key row bits: KLD} / {value bits: KLD} (`measure_sensitivity`).
         head_dim: D. budget_bits: mean bits per element allowed (e.g. the uniform recipe's).
+        scale_bits: bits of a head row's value scale (16: fp16; 8: the 8-bit log2 code).
     Returns:
         [(vb, kb)] per layer. Ties: the cheaper total, then the earlier grid entries.
     Raises:
@@ -72,7 +74,7 @@ def allocate(key_kld: list[dict[int, float]], value_kld: list[dict[int, float]],
         for used, (err, picks) in best.items():
             for vb, ve in sorted(vk.items()):
                 for kb, ke in sorted(kk.items()):
-                    tot = used + row_bits(vb, kb, head_dim)
+                    tot = used + row_bits(vb, kb, head_dim, scale_bits)
                     if tot > cap:
                         continue
                     cand = (err + ve + ke, picks + [(vb, kb)])
@@ -136,8 +138,9 @@ def recipe_budget(bits: int, key_row_bits: int | None, head_dim: int) -> float:
 def fit_allocated_profile(model, k_layers, v_layers, windows: list[list[int]], *, name: str, bits: int,
                           query_energy=None, meta: dict | None = None, progress=None, value_grid=None, **fit_kw):
     """`fit_model_profile` with layer widths allocated by `measure_sensitivity` on `windows` (calibration text)
-    within the uniform recipe's budget (`recipe_budget`); the curves and the allocation go into the profile's
-    meta ("layer_widths", "layer_sensitivity").
+    within the uniform recipe's budget (`recipe_budget`, counted with an fp16 value scale: with
+    `v_scale_bits=8` in fit_kw the 8 bits each head row saves go to the layers too); the curves and the
+    allocation go into the profile's meta ("layer_widths", "layer_sensitivity").
 
     Args: as `actors.kv.calibration.fit_model_profile`, plus model (`MoEModel`) and windows (token id lists of
         the calibration text); progress: optional callable(n) called once per measured configuration;
@@ -168,7 +171,7 @@ def fit_allocated_profile(model, k_layers, v_layers, windows: list[list[int]], *
                                              head_dim=head_dim, key_grid=grid,
                                              value_grid=value_grid or value_bits_grid(bits))
     budget = recipe_budget(bits, fit_kw["k_channel_bits"], head_dim)
-    widths = allocate(key_kld, value_kld, head_dim, budget)
+    widths = allocate(key_kld, value_kld, head_dim, budget, fit_kw.get("v_scale_bits", SCALE_BITS))
     sens = {"key": [{str(k): round(x, 6) for k, x in d.items()} for d in key_kld],
             "value": [{str(k): round(x, 6) for k, x in d.items()} for d in value_kld]}
     return fit_model_profile(k_layers, v_layers, name=name, bits=bits, query_energy=query_energy,
