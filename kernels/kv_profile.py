@@ -189,9 +189,9 @@ def effective_bits(
 ) -> float:
     """Effective bits per stored K or V element of one layer, counting every byte.
 
-    Counted: packed K and V codes, V scales (fp16 or 8-bit codes), fp16 K and V outlier values (per token); the profile's
-    scales, zeros, codebooks and outlier indices (amortised over the tokens); the full-precision tokens
-    (sink prefix, unsealed tail) at `full_precision_bytes` bytes per element. With `block_size`, quantized
+    Counted: packed K and V codes, V scales (fp16 or 8-bit codes), fp16 K and V outlier values (per token); the
+    profile's scales, zeros, codebooks and outlier indices (amortised over the tokens); the full-precision
+    tokens (sink prefix, unsealed tail) at `full_precision_bytes` bytes per element. With `block_size`, quantized
     tokens are rounded up to whole blocks, since a partly filled block is still allocated.
     Result = total bytes * 8 / ((num_tokens + num_full_precision_tokens) * 2 * H * D), in bits per element.
 

@@ -10,9 +10,10 @@ KVQuant: arXiv 2401.18079. What is quantized, and how (one layer):
     centred inlier channels, computed online at quantize time and stored as fp16 (or, with the profile's
     `v_scale_bits = 8`, as an 8-bit log2 code: the scale 2 ** ((c - 128) / 16), c the least code whose scale
     is >= the max-abs, saturating at 2 ** -8 and 2 ** (127 / 16); 1/16-octave steps, so the rounded-up scale
-    is at most 4.4% above the max-abs), then the nearest level of the value codebook. `v_zero` is an optional calibrated per-channel mean (not in KVQuant): values share a
-    per-channel offset (e.g. the v_proj bias of Qwen2), and removing it leaves the per-token scale to the
-    part that varies, which at 3 bits halves the value error on such data; it costs H * D fp32 per layer;
+    is at most 4.4% above the max-abs), then the nearest level of the value codebook. `v_zero` is an optional
+    calibrated per-channel mean (not in KVQuant): values share a per-channel offset (e.g. the v_proj bias of
+    Qwen2), and removing it leaves the per-token scale to the part that varies, which at 3 bits halves the
+    value error on such data; it costs H * D fp32 per layer;
   * outlier channels: per KV head, the `n_outlier` channels of largest calibrated max-abs are kept dense in
     fp16 in a side array and excluded from the scale and codebook fit. KVQuant isolates ~1% of values as
     sparse per-token outliers; a fixed per-head channel set is the dense-and-static variant, chosen because

@@ -1,18 +1,18 @@
 """Byte layout of the quantized KV cache's pages, and the cache's size arithmetic (bytes, pages, sequences).
 
 Mixed bit widths, one byte pool (sub-page allocation, actors/kv/pool.py). Every layer has one uint8 arena of
-`num_pages` pages; page p of the pool is page p of every layer's arena and holds the same T_b tokens of one
-profile layout b in each (T_b = pool page bytes // that layout's bytes per token over all layers: 13 / 9 / 7
-tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte pages), laid out in each layer as a `KVPages` block
-[v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)] ([k_outliers | v_outliers (fp16) |
-v_scale | k_codes | v_codes (uint8)] where the value scale is an 8-bit code, `KVQuantProfile.v_scale_bits`), so each layout's `KVPages` is a set of
-strided views of the same arenas (block stride = the layer's page bytes). A layer's page bytes are the most any
-layout needs there (`layer_page_bytes`): with layer widths allocated by sensitivity (`actors.kv.layer_widths`: a
-layer's value bits and key row bytes differ from another's) the layers' pages differ in bytes, not in tokens.
-Any free page serves any width; finishing returns whole pages; the only waste is page slack and each sequence's
-unfilled last page (measured below 5% on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of
-S tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at 29-44%
-waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
+`num_pages` pages; page p of the pool is page p of every layer's arena and holds the same T_b tokens of one profile
+layout b in each (T_b = pool page bytes // that layout's bytes per token over all layers: 13 / 9 / 7 tokens at 2 / 3 /
+4 bits for tiny-moe's 3968-byte pages), laid out in each layer as a `KVPages` block [v_scale | k_outliers | v_outliers
+(fp16) | k_codes | v_codes (uint8)] ([k_outliers | v_outliers (fp16) | v_scale | k_codes | v_codes (uint8)] where the
+value scale is an 8-bit code, `KVQuantProfile.v_scale_bits`), so each layout's `KVPages` is a set of strided views of
+the same arenas (block stride = the layer's page bytes). A layer's page bytes are the most any layout needs there
+(`layer_page_bytes`): with layer widths allocated by sensitivity (`actors.kv.layer_widths`: a layer's value bits and
+key row bytes differ from another's) the layers' pages differ in bytes, not in tokens. Any free page serves any width;
+finishing returns whole pages; the only waste is page slack and each sequence's unfilled last page (measured below 5%
+on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of S tokens at different widths would differ
+in bytes; storing them as slabs in fixed pages was measured at 29-44% waste (actors/kv/pool.py docstring), hence pages
+sized in tokens per width.
 
 Invariants: a layer's page is a multiple of PAGE_ALIGN bytes, so every fp16 field of a page is 2-byte aligned;
 a layout's fields [v_scale | k_outliers | v_outliers | k_codes | v_codes] of Tp tokens end inside the layer's
@@ -36,9 +36,9 @@ PAGE_ALIGN = 16  # bytes; keeps every fp16 field of a page 2-byte aligned and ro
 
 
 def layout_key(profile: ModelKVProfile) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Per layer (value bits, Ok, Ov, Pk, value scale bits): profiles with equal keys share one page layout (H and D are fixed per
-    cache). Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`);
-    value bits and Pk may differ between layers (sensitivity-allocated layer widths)."""
+    """Per layer (value bits, Ok, Ov, Pk, value scale bits): profiles with equal keys share one page layout (H and D
+    are fixed per cache). Pk (key row bytes) differs from the value row's with per-channel key widths
+    (`KVQuantProfile.k_bits`); value bits and Pk may differ between layers (sensitivity-allocated layer widths)."""
     return tuple((p.bits, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes, p.v_scale_bits) for p in profile.layers)
 
 
