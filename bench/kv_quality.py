@@ -28,14 +28,15 @@ Rows:
                  bits); the incomplete group stays in full precision
   kivi<b>-m      the same at matched bits: key groups of 128 tokens, value groups of 64 channels (b + 0.375)
   ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`
-                 through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"),
-                 pre-RoPE per-channel keys with calibrated ranges, per-token values with an fp16 scale and a
-                 per-channel mean, codebooks per layer, fp16 key outlier channels, no sink, the unsealed block
-                 in full precision. 2 bits: per-channel key widths (2-8 bits, 152 bits per head row, on a
-                 uniform grid over each channel's min/max range, allocated by query-energy-weighted key error;
-                 no outlier channels), k-means value codebook; 3/4 bits the same at 216 / 320 key bits per row;
-                 each layer's value bits and key row bits then allocated within those bits by sensitivity
-                 measured on the calibration head (`actors.kv.layer_widths`; never on the evaluated windows)
+                 through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"), pre-RoPE
+                 per-channel keys with calibrated ranges, per-token values with a scale (fp16; an 8-bit log2 code at 2
+                 bits, `kernels.kv_quant`) and a per-channel mean, codebooks per layer, fp16 key outlier channels, no
+                 sink, the unsealed block in full precision. 2 bits: per-channel key widths (2-8 bits, 152 bits per
+                 head row, on a uniform grid over each channel's min/max range, allocated by query-energy-weighted key
+                 error; no outlier channels), k-means value codebook; 3/4 bits the same at 216 / 320 key bits per row;
+                 each layer's value bits (1-4 at 2 bits, 2-4 above) and key row bits then allocated within those bits
+                 by sensitivity measured on the calibration head (`actors.kv.layer_widths`; never on the evaluated
+                 windows)
   ours<b> uniform  the recipe with every layer at the same widths (before layer widths)
   ours<b> cross  domain-mismatched: each domain's windows through the OTHER domain's profile (KVQuant reports
                  cross-domain calibration gives similar results; this row measures it here)
@@ -364,8 +365,9 @@ def main(argv=None) -> int:
                      sim(lambda dom, b=bits: _int8_outlier_qdq(profile(dom, b, n_outlier=2), data[dom][1])),
                      lambda dom, _, b=bits: model_effective_bits(profile(dom, b, n_outlier=2), c0, sink_tokens=0)
                      - 2 * save)
-        evaluate(f"ours{bits} vs8 (sim)", bits, sim(lambda dom, b=bits: _vscale8_qdq(profile(dom, b))),
-                 lambda dom, _, b=bits: model_effective_bits(profile(dom, b), c0, sink_tokens=0) - save)
+        if RECOMMENDED_FIT_OPTIONS[bits].get("v_scale_bits", 16) == 16:  # else the recipe stores 8-bit scales
+            evaluate(f"ours{bits} vs8 (sim)", bits, sim(lambda dom, b=bits: _vscale8_qdq(profile(dom, b))),
+                     lambda dom, _, b=bits: model_effective_bits(profile(dom, b), c0, sink_tokens=0) - save)
 
     n_w = {c: f"{len(data['prose'][0][c])}/{len(data['code'][0][c])}" for c in ctxs}
     header = (f"model {a.model} (max_position_embeddings {model_max})  contexts run: {', '.join(map(str, ctxs))}  "

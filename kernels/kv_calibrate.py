@@ -23,7 +23,7 @@ from kernels.codebook import lloyd_max
 from kernels.kv_pack import MAX_CHANNEL_BITS, _check_bits, packed_bytes
 from kernels.kv_profile import KVQuantProfile
 from kernels.kv_quant import (_inlier_mask, _uniform_channel_codes, _uniform_channel_levels, _value_scale,
-                              nearest_level)
+                              nearest_level, value_scale_float)
 
 CODEBOOK_METHODS = ("kmeans", "uniform")
 # k-means on more points than this changes the codebook by far less than the quantization step.
@@ -45,7 +45,7 @@ def fit_codebook(samples: torch.Tensor, bits: int, *, method: str = "kmeans", it
 
     Args:
         samples: any shape, float, normalised to roughly [-1, 1]. May be empty (returns the uniform grid).
-        bits: 2, 3 or 4.
+        bits: 1, 2, 3 or 4 (1: two levels, a layer's 1-bit values, `actors.kv.layer_widths`).
         method: "kmeans" or "uniform".
         iters: Lloyd iterations, >= 0.
     Returns:
@@ -130,13 +130,15 @@ def fit_kv_profile(
     k_channel_bits: int | None = None,
     query_energy: torch.Tensor | None = None,
     k_min_bits: int = 2,
+    v_scale_bits: int = 16,
 ) -> KVQuantProfile:
     """Calibrate one layer's `KVQuantProfile` offline (KVQuant, arXiv 2401.18079, sections 3.1-3.4).
 
     Args:
         k_calib: [N, H, D] float, calibration keys BEFORE RoPE (per-channel structure is cleaner pre-RoPE).
         v_calib: [N, H, D] float, calibration values.
-        bits: code width, 2, 3 or 4 bits per element.
+        bits: code width, 1, 2, 3 or 4 bits per element (1: for a layer's values inside a 2-bit profile with
+            per-channel keys, `actors.kv.layer_widths`; keys then take their widths from k_channel_bits).
         n_outlier: key outlier channels per head kept in fp16, 0 <= n_outlier <= D (D bypasses K quantization).
         n_outlier_v: value outlier channels per head kept in fp16, 0 <= n_outlier_v <= D.
         percentile: in (0.5, 1]; per-channel key range is [q(1 - p), q(p)] over tokens (1.0 = min/max),
@@ -173,6 +175,8 @@ def fit_kv_profile(
             rotation angle is that pair energy times e_d**2 / 2 (rotation-invariant, so post-RoPE queries
             give it). None = equal weights.
         k_min_bits: smallest per-channel key width, in [1, 8].
+        v_scale_bits: 16 (the per-token value scale in fp16) or 8 (an 8-bit log2 code, `KVQuantProfile`); the
+            value codebook is fitted on values normalised by the stored scale.
     Returns:
         KVQuantProfile on the device of k_calib.
     Raises:
@@ -247,7 +251,7 @@ def fit_kv_profile(
     v_zero_HD = torch.where(v_in_HD, v.mean(dim=0), torch.zeros((), device=v.device)) if use_v_zero \
         else torch.zeros(h, d, device=v.device)
     v_c = v - v_zero_HD
-    v_scale_NH = _value_scale(v_c, v_in_HD).float()
+    v_scale_NH = value_scale_float(_value_scale(v_c, v_in_HD, v_scale_bits))
     v_norm = (v_c / v_scale_NH[..., None])[:, v_in_HD]
     return KVQuantProfile(
         bits=bits,
@@ -259,6 +263,7 @@ def fit_kv_profile(
         k_outlier_idx=k_idx,
         v_outlier_idx=v_idx,
         k_bits=k_bits_HD,
+        v_scale_bits=v_scale_bits,
     )
 
 

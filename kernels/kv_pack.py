@@ -1,10 +1,11 @@
 """Bit packing of KV-cache codes: fixed-width rows (`pack_codes`) and per-channel-width rows (`pack_codes_var`).
 
-Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {2, 3, 4}:
+Bit layout of packed codes (`pack_codes` / `unpack_codes`), bits b in {1, 2, 3, 4}:
   A row of D codes is one little-endian bitstream of D * b bits stored in D * b / 8 bytes. Code i occupies
   stream bits [i*b, i*b + b), least-significant bit first; byte j holds stream bits [8j, 8j + 8).
   b=4: code 2j in the low nibble of byte j, code 2j+1 in the high nibble.
   b=2: byte j holds codes 4j..4j+3 at bit offsets 0, 2, 4, 6.
+  b=1: byte j holds codes 8j..8j+7, code 8j + i at bit i (a layer's 1-bit value codes, `actors.kv.layer_widths`).
   b=3: every 8 codes fill exactly 3 bytes; codes 2 and 5 of each group of 8 straddle a byte boundary
        (code 2 = bits 6-7 of byte 0 + bit 0 of byte 1). A 3-bit code costs exactly 3/8 byte.
   Requires D * b % 8 == 0 (D % 8 == 0 for 3 bits).
@@ -24,7 +25,9 @@ import functools
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4)
+# 1 bit serves as one layer's value width inside a 2-bit profile (sensitivity-allocated layer widths); a profile's
+# own width (`actors.kv.profiles.ModelKVProfile.bits`, `--kv-bits`) stays 2, 3 or 4.
+SUPPORTED_BITS = (1, 2, 3, 4)
 
 
 def _check_bits(bits: int, name: str = "bits") -> None:
@@ -36,7 +39,7 @@ def packed_bytes(head_dim: int, bits: int) -> int:
     """Bytes of one packed row of `head_dim` codes at `bits` bits each (P in the legend).
 
     Raises:
-        ValueError: bits not in {2, 3, 4}, or head_dim * bits not a multiple of 8.
+        ValueError: bits not in {1, 2, 3, 4}, or head_dim * bits not a multiple of 8.
     """
     _check_bits(bits)
     if head_dim <= 0 or (head_dim * bits) % 8:
@@ -49,7 +52,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
     Args:
         codes: [..., D] integer tensor with values in [0, 2**bits).
-        bits: 2, 3 or 4 bits per code.
+        bits: 1, 2, 3 or 4 bits per code.
     Returns:
         [..., D * bits / 8] uint8.
     Raises:
@@ -72,7 +75,7 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
 
     Args:
         packed: [..., P] uint8 with P = head_dim * bits / 8.
-        bits: 2, 3 or 4.
+        bits: 1, 2, 3 or 4.
         head_dim: D, the number of codes per row.
     Returns:
         [..., D] int64 codes in [0, 2**bits).

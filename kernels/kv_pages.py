@@ -25,7 +25,8 @@ from kernels.kv_quant import QuantizedKV
 class KVPages:
     """Paged quantized KV storage of one layer (layout in the module docstring).
 
-    Fields: k_codes [NB, H, S, Pk] / v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16,
+    Fields: k_codes [NB, H, S, Pk] / v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16 (or uint8 log2 codes,
+    profiles with v_scale_bits 8),
     k_outliers [NB, S, H, Ok] fp16,
     v_outliers [NB, S, H, Ov] fp16. Token t of a sequence's quantized region lives in block
     `block_table[t // S]` at slot `t % S`. Head-major codes keep one (block, head) contiguous for the kernel.
@@ -41,7 +42,7 @@ class KVPages:
         nb, h, s, _ = self.k_codes.shape
         expect = {
             "v_codes": ((nb, h, s, self.v_codes.shape[-1]), torch.uint8),
-            "v_scale": ((nb, s, h), torch.float16),
+            "v_scale": ((nb, s, h), self.v_scale.dtype if self.v_scale.dtype == torch.uint8 else torch.float16),
             "k_outliers": ((nb, s, h, self.k_outliers.shape[-1]), torch.float16),
             "v_outliers": ((nb, s, h, self.v_outliers.shape[-1]), torch.float16),
         }
@@ -76,7 +77,8 @@ class KVPages:
         return KVPages(
             k_codes=torch.zeros(num_blocks, h, block_size, profile.k_packed_bytes, dtype=torch.uint8, device=device),
             v_codes=torch.zeros(num_blocks, h, block_size, p, dtype=torch.uint8, device=device),
-            v_scale=torch.zeros(num_blocks, block_size, h, dtype=f16, device=device),
+            v_scale=torch.zeros(num_blocks, block_size, h, dtype=f16 if profile.v_scale_bits == 16 else torch.uint8,
+                                device=device),
             k_outliers=torch.zeros(num_blocks, block_size, h, profile.n_outlier_k, dtype=f16, device=device),
             v_outliers=torch.zeros(num_blocks, block_size, h, profile.n_outlier_v, dtype=f16, device=device),
         )

@@ -3,7 +3,7 @@
 Per layer (KVQuant, arXiv 2401.18079; the method is described in `kernels.kv_quant`):
   k_scale/k_zero/v_zero [H, D] fp32, k_codebook/v_codebook [L] fp32, k_outlier_idx [H, Ok] int32,
   v_outlier_idx [H, Ov] int32, k_bits [H, D] uint8 or [0] (none).
-  Bytes per quantized token and layer: H * (Pk + P + 2 + 2 * Ok + 2 * Ov).
+  Bytes per quantized token and layer: H * (Pk + P + v_scale_bits / 8 + 2 * Ok + 2 * Ov).
 Profiles are calibrated offline by `kernels.kv_calibrate.fit_kv_profile` and saved with `to_tensors`.
 
 Shape legend: H = KV heads, D = head_dim, L = 2**bits codebook levels, P = packed bytes per token and head
@@ -17,13 +17,16 @@ import torch
 
 from kernels.kv_pack import _check_bits, _check_widths, packed_bytes
 
+_INT_FIELDS = ("bits", "v_scale_bits")
+
 
 @dataclass(kw_only=True, slots=True)
 class KVQuantProfile:
     """Calibrated KV quantization profile of one layer (KVQuant, arXiv 2401.18079).
 
     Fields (H = KV heads, D = head_dim, L = 2**bits, Ok / Ov = outlier channels per head):
-        bits: code width in bits per element, 2, 3 or 4.
+        bits: code width in bits per element, 1, 2, 3 or 4 (1 only as one layer's value width inside a 2-bit
+            model profile, `actors.kv.layer_widths`; the value row is then D / 8 bytes and v_codebook 2 levels).
         k_scale: [H, D] fp32, per-channel key scale (> 0); 1 on outlier channels.
         k_zero: [H, D] fp32, per-channel key zero point (0 when calibrated without zero points).
         v_zero: [H, D] fp32, per-channel value offset removed before the per-token scale (0 = off).
@@ -33,6 +36,8 @@ class KVQuantProfile:
         k_bits: [H, D] uint8 per-channel key widths in [1, 8] with equal row sums (keys then use the
             per-channel uniform grid and k_codebook is unused), or an empty tensor (default): every key
             channel uses `bits` and k_codebook.
+        v_scale_bits: 16 (default: the per-token value scale in fp16) or 8 (an 8-bit log2 code,
+            `kernels.kv_quant.encode_value_scale`; 8 bits fewer per token and head).
     Raises (in __post_init__):
         ValueError naming the field, the value and the limit.
     """
@@ -46,10 +51,14 @@ class KVQuantProfile:
     k_outlier_idx: torch.Tensor
     v_outlier_idx: torch.Tensor
     k_bits: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.uint8))
+    v_scale_bits: int = 16
 
     def __post_init__(self) -> None:
         _check_bits(int(self.bits))
         self.bits = int(self.bits)
+        self.v_scale_bits = int(self.v_scale_bits)
+        if self.v_scale_bits not in (8, 16):
+            raise ValueError(f"v_scale_bits={self.v_scale_bits} must be 8 or 16")
         if self.k_scale.dim() != 2:
             raise ValueError(f"k_scale.shape={tuple(self.k_scale.shape)} must be [H, D]")
         h, d = self.k_scale.shape
@@ -122,8 +131,8 @@ class KVQuantProfile:
 
     def bytes_per_token(self) -> int:
         """Bytes one quantized token costs in one layer: K and V codes, V scale, K and V outlier values."""
-        return self.num_kv_heads * (self.k_packed_bytes + self.packed_bytes + 2 + 2 * self.n_outlier_k
-                                    + 2 * self.n_outlier_v)
+        return self.num_kv_heads * (self.k_packed_bytes + self.packed_bytes + self.v_scale_bits // 8
+                                    + 2 * self.n_outlier_k + 2 * self.n_outlier_v)
 
     def outlier_slots(self, which: str) -> torch.Tensor:
         """[H, D] int32: position of channel d in the outlier side array of head h, or -1 if an inlier.
@@ -141,21 +150,23 @@ class KVQuantProfile:
         return slots
 
     def to(self, device: torch.device | str) -> "KVQuantProfile":
-        return KVQuantProfile(**{f.name: (getattr(self, f.name).to(device) if f.name != "bits" else self.bits)
-                                 for f in fields(self)})
+        return KVQuantProfile(**{f.name: (getattr(self, f.name).to(device) if f.name not in _INT_FIELDS
+                                          else getattr(self, f.name)) for f in fields(self)})
 
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """Flat dict of contiguous tensors for safetensors (`bits` as an int32 scalar tensor; `k_bits` only
         when per-channel, so uniform-width profiles keep their old file contents)."""
         out = {f.name: getattr(self, f.name).contiguous() for f in fields(self)
-               if f.name != "bits" and (f.name != "k_bits" or self.per_channel_keys)}
+               if f.name not in _INT_FIELDS and (f.name != "k_bits" or self.per_channel_keys)}
         out["bits"] = torch.tensor(self.bits, dtype=torch.int32)
+        if self.v_scale_bits != 16:
+            out["v_scale_bits"] = torch.tensor(self.v_scale_bits, dtype=torch.int32)
         return out
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "KVQuantProfile":
-        """Inverse of `to_tensors` (`k_bits` optional). Raises ValueError naming a missing key."""
-        names = [f.name for f in fields(cls) if f.name != "k_bits"]
+        """Inverse of `to_tensors` (`k_bits`, `v_scale_bits` optional). Raises ValueError naming a missing key."""
+        names = [f.name for f in fields(cls) if f.name not in ("k_bits", "v_scale_bits")]
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"tensors is missing keys {missing}")
@@ -163,6 +174,8 @@ class KVQuantProfile:
         if "k_bits" in tensors:
             kw["k_bits"] = tensors["k_bits"]
         kw["bits"] = int(tensors["bits"])
+        if "v_scale_bits" in tensors:
+            kw["v_scale_bits"] = int(tensors["v_scale_bits"])
         return cls(**kw)
 
 
@@ -176,9 +189,9 @@ def effective_bits(
 ) -> float:
     """Effective bits per stored K or V element of one layer, counting every byte.
 
-    Counted: packed K and V codes, fp16 V scales, fp16 K and V outlier values (per token); the profile's
-    scales, zeros, codebooks and outlier indices (amortised over the tokens); the full-precision tokens
-    (sink prefix, unsealed tail) at `full_precision_bytes` bytes per element. With `block_size`, quantized
+    Counted: packed K and V codes, V scales (fp16 or 8-bit codes), fp16 K and V outlier values (per token); the
+    profile's scales, zeros, codebooks and outlier indices (amortised over the tokens); the full-precision
+    tokens (sink prefix, unsealed tail) at `full_precision_bytes` bytes per element. With `block_size`, quantized
     tokens are rounded up to whole blocks, since a partly filled block is still allocated.
     Result = total bytes * 8 / ((num_tokens + num_full_precision_tokens) * 2 * H * D), in bits per element.
 

@@ -7,10 +7,13 @@ KVQuant: arXiv 2401.18079. What is quantized, and how (one layer):
     layer's key codebook (k-means / Lloyd-Max fitted on normalised calibration keys, section 3.3, or a
     uniform grid);
   * values, per token: `v_norm = (v - v_zero[h, d]) / v_scale[t, h]`, `v_scale` = max-abs of the token's
-    centred inlier channels, computed online at quantize time and stored as fp16, then the nearest level of
-    the value codebook. `v_zero` is an optional calibrated per-channel mean (not in KVQuant): values share a
-    per-channel offset (e.g. the v_proj bias of Qwen2), and removing it leaves the per-token scale to the
-    part that varies, which at 3 bits halves the value error on such data; it costs H * D fp32 per layer;
+    centred inlier channels, computed online at quantize time and stored as fp16 (or, with the profile's
+    `v_scale_bits = 8`, as an 8-bit log2 code: the scale 2 ** ((c - 128) / 16), c the least code whose scale
+    is >= the max-abs, saturating at 2 ** -8 and 2 ** (127 / 16); 1/16-octave steps, so the rounded-up scale
+    is at most 4.4% above the max-abs), then the nearest level of the value codebook. `v_zero` is an optional
+    calibrated per-channel mean (not in KVQuant): values share a per-channel offset (e.g. the v_proj bias of
+    Qwen2), and removing it leaves the per-token scale to the part that varies, which at 3 bits halves the
+    value error on such data; it costs H * D fp32 per layer;
   * outlier channels: per KV head, the `n_outlier` channels of largest calibrated max-abs are kept dense in
     fp16 in a side array and excluded from the scale and codebook fit. KVQuant isolates ~1% of values as
     sparse per-token outliers; a fixed per-head channel set is the dense-and-static variant, chosen because
@@ -35,6 +38,7 @@ token and head (D * bits / 8), Pk = packed key bytes, Ok / Ov = outlier channels
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +47,36 @@ from kernels.kv_pack import pack_codes, pack_codes_var, unpack_codes, unpack_cod
 from kernels.kv_profile import KVQuantProfile
 
 _FP16_MAX = 65504.0
+V_SCALE_CODE_ZERO = 128  # 8-bit value scale code c means 2 ** ((c - V_SCALE_CODE_ZERO) / V_SCALE_STEPS)
+V_SCALE_STEPS = 16
+
+
+@functools.lru_cache(maxsize=8)
+def _scale_table(device: str) -> torch.Tensor:
+    return torch.exp2((torch.arange(256, dtype=torch.float64) - V_SCALE_CODE_ZERO) / V_SCALE_STEPS).float().to(device)
+
+
+def value_scale_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[256] fp32: the value scale of each 8-bit log2 code (module docstring); every kernel reads this table."""
+    return _scale_table(str(torch.device(device)))
+
+
+def encode_value_scale(mag: torch.Tensor) -> torch.Tensor:
+    """uint8 code of the least scale in `value_scale_table` that is >= `mag` (any shape, >= 0), saturating at
+    codes 0 and 255. No error: magnitudes beyond the top scale clip to the codebook's end levels."""
+    table = value_scale_table(mag.device)
+    c = (torch.ceil(torch.log2(mag.float().clamp_min(1e-30)) * V_SCALE_STEPS) + V_SCALE_CODE_ZERO).clamp(0, 255)
+    c = c.to(torch.int64)
+    c = c - ((c > 0) & (table[(c - 1).clamp_min(0)] >= mag)).to(torch.int64)  # log2 rounding either way
+    c = c + ((c < 255) & (table[c] < mag)).to(torch.int64)
+    return c.to(torch.uint8)
+
+
+def value_scale_float(v_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 scales of stored value scales: fp16 ones as they are, uint8 log2 codes through `value_scale_table`."""
+    if v_scale.dtype == torch.uint8:
+        return value_scale_table(v_scale.device)[v_scale.long()]
+    return v_scale.float()
 
 
 def _uniform_channel_codes(x_norm: torch.Tensor, widths_HD: torch.Tensor) -> torch.Tensor:
@@ -77,9 +111,12 @@ def _inlier_mask(idx_HO: torch.Tensor, head_dim: int) -> torch.Tensor:
     return mask
 
 
-def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor) -> torch.Tensor:
-    """[N, H] fp16 per-token scale: max-abs over inlier channels, fp16-safe, never 0."""
+def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor, scale_bits: int = 16) -> torch.Tensor:
+    """[N, H] per-token scale: max-abs over inlier channels; fp16 (fp16-safe, never 0), or with scale_bits=8
+    uint8 log2 codes (`encode_value_scale`)."""
     mag = torch.where(inlier_HD, v_NHD.float().abs(), torch.zeros((), device=v_NHD.device)).amax(dim=-1)
+    if scale_bits == 8:
+        return encode_value_scale(mag)
     # Rounding to fp16 first means quantize divides by exactly the scale dequantize multiplies by.
     s = mag.clamp(max=_FP16_MAX).to(torch.float16)
     return torch.where(s > 0, s, torch.ones_like(s))
@@ -89,7 +126,8 @@ def _value_scale(v_NHD: torch.Tensor, inlier_HD: torch.Tensor) -> torch.Tensor:
 class QuantizedKV:
     """Quantized keys and values of N tokens of one layer, in per-token rows ready to write into pages.
 
-    Fields: k_codes [N, H, Pk] / v_codes [N, H, P] uint8 (packed, module-docstring layout), v_scale [N, H] fp16,
+    Fields: k_codes [N, H, Pk] / v_codes [N, H, P] uint8 (packed, module-docstring layout), v_scale [N, H] fp16
+    (uint8 log2 codes when the profile's v_scale_bits is 8),
     k_outliers [N, H, Ok] fp16, v_outliers [N, H, Ov] fp16.
     """
 
@@ -131,7 +169,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
         v: [N, H, D] float values.
         profile: the layer's KVQuantProfile (same device).
     Returns:
-        QuantizedKV with k_codes [N, H, Pk] / v_codes [N, H, P] uint8, v_scale [N, H] fp16, k_outliers [N, H, Ok] fp16,
+        QuantizedKV with k_codes [N, H, Pk] / v_codes [N, H, P] uint8, v_scale [N, H] fp16 (uint8 codes with
+        v_scale_bits 8), k_outliers [N, H, Ok] fp16,
         v_outliers [N, H, Ov] fp16. Magnitudes above 65504 saturate in the fp16 side arrays.
     Raises:
         ValueError: k or v not [N, H, D] matching the profile.
@@ -145,8 +184,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
     else:
         k_packed = pack_codes(nearest_level(k_norm, profile.k_codebook), profile.bits)
     v_c = vf - profile.v_zero
-    v_scale = _value_scale(v_c, _inlier_mask(profile.v_outlier_idx, profile.head_dim))
-    v_codes = nearest_level(v_c / v_scale.float()[..., None], profile.v_codebook)
+    v_scale = _value_scale(v_c, _inlier_mask(profile.v_outlier_idx, profile.head_dim), profile.v_scale_bits)
+    v_codes = nearest_level(v_c / value_scale_float(v_scale)[..., None], profile.v_codebook)
     return QuantizedKV(
         k_codes=k_packed,
         v_codes=pack_codes(v_codes, profile.bits),
@@ -168,9 +207,10 @@ def dequantize_keys(k_codes: torch.Tensor, k_outliers: torch.Tensor, profile: KV
 
 def dequantize_values(v_codes: torch.Tensor, v_scale: torch.Tensor, v_outliers: torch.Tensor,
                       profile: KVQuantProfile) -> torch.Tensor:
-    """[N, H, P] uint8 codes, [N, H] fp16 scale, [N, H, Ov] fp16 outliers -> [N, H, D] fp32 values."""
+    """[N, H, P] uint8 codes, [N, H] fp16 scale (or uint8 log2 codes), [N, H, Ov] fp16 outliers -> [N, H, D]
+    fp32 values."""
     codes = unpack_codes(v_codes, profile.bits, profile.head_dim)
-    v = profile.v_codebook[codes] * v_scale.float()[..., None] + profile.v_zero
+    v = profile.v_codebook[codes] * value_scale_float(v_scale)[..., None] + profile.v_zero
     return _restore_channels(v, v_outliers, profile.v_outlier_idx)
 
 

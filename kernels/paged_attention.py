@@ -92,8 +92,9 @@ def paged_decode_attention_ref(
 
     Args:
         q: [B, Hq, D] fp32/fp16/bf16, queries already rotated by RoPE.
-        pages: KVPages of the layer (k_codes/v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16,
-            k_outliers [NB, S, H, Ok] fp16, v_outliers [NB, S, H, Ov] fp16); keys quantized BEFORE RoPE.
+        pages: KVPages of the layer (k_codes/v_codes [NB, H, S, P] uint8, v_scale [NB, S, H] fp16 or uint8
+            log2 codes (v_scale_bits 8), k_outliers [NB, S, H, Ok] fp16, v_outliers [NB, S, H, Ov] fp16); keys
+            quantized BEFORE RoPE.
         block_tables: [B, M] int32 block ids; entries past ceil(context_lens[b] / S) are ignored.
         context_lens: [B] int32, sealed quantized tokens per sequence.
         profile: the layer's KVQuantProfile.

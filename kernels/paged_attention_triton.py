@@ -22,6 +22,7 @@ import triton.language as tl
 from kernels.kv_pack import channel_bit_offsets
 from kernels.kv_pages import KVPages
 from kernels.kv_profile import KVQuantProfile
+from kernels.kv_quant import value_scale_table
 from kernels.paged_attention import _validate
 from kernels.triton_launch import launch_guard
 
@@ -94,7 +95,7 @@ def _paged_decode_kernel(
     q_ptr, out_ptr,
     k_codes_ptr, v_codes_ptr, v_scale_ptr, k_out_ptr, v_out_ptr,
     k_cb_ptr, v_cb_ptr, k_scale_ptr, k_zero_ptr, v_zero_ptr, k_slot_ptr, v_slot_ptr,
-    k_off_ptr, k_mask_ptr, k_step_ptr,
+    k_off_ptr, k_mask_ptr, k_step_ptr, vs_lut_ptr,
     block_tables_ptr, context_lens_ptr, cos_ptr, sin_ptr,
     sink_k_ptr, sink_v_ptr, sink_lens_ptr, tail_k_ptr, tail_v_ptr, tail_lens_ptr,
     sm_scale, max_blocks, n_sink_max, n_tail_max,
@@ -103,7 +104,7 @@ def _paged_decode_kernel(
     BITS: tl.constexpr, P: tl.constexpr, PK: tl.constexpr, K_VAR: tl.constexpr, S: tl.constexpr,
     BLOCK_S: tl.constexpr,
     N_OUT_K: tl.constexpr, N_OUT_V: tl.constexpr,
-    HAS_SINK: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SINK: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, VS8: tl.constexpr = False,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -184,7 +185,10 @@ def _paged_decode_kernel(
         k1r = k1 * c1 - k2 * s1
         k2r = k2 * c2 + k1 * s2
 
-        vsc = tl.load(v_scale_ptr + blk * vs_bs + side_row, mask=valid, other=0.0).to(tl.float32)
+        if VS8:  # 8-bit log2 scale codes (kernels.kv_quant.value_scale_table)
+            vsc = tl.load(vs_lut_ptr + tl.load(v_scale_ptr + blk * vs_bs + side_row, mask=valid, other=0).to(tl.int32))
+        else:
+            vsc = tl.load(v_scale_ptr + blk * vs_bs + side_row, mask=valid, other=0.0).to(tl.float32)
         v = tl.load(v_cb_ptr + _unpack(v_codes_ptr + blk * vc_bs, code_in, offs_d, valid, BITS, P)) * vsc[:, None] \
             + vz[None, :]
         if N_OUT_V > 0:
@@ -271,7 +275,7 @@ def paged_decode_attention_triton(
             kc, vc, vs, ko, vo,
             profile.k_codebook, profile.v_codebook, profile.k_scale, profile.k_zero, profile.v_zero,
             profile.outlier_slots("k"), profile.outlier_slots("v"),
-            k_off, k_mask, k_step,
+            k_off, k_mask, k_step, value_scale_table(dev),
             block_tables.to(i32).contiguous(), context_lens.to(i32).contiguous(),
             cos.float().contiguous(), sin.float().contiguous(),
             sink_k.contiguous() if has_sink else dummy_f, sink_v.contiguous() if has_sink else dummy_f,
@@ -285,6 +289,6 @@ def paged_decode_attention_triton(
             BITS=profile.bits, P=profile.packed_bytes, PK=profile.k_packed_bytes, K_VAR=profile.per_channel_keys,
             S=s, BLOCK_S=triton.next_power_of_2(s),
             N_OUT_K=profile.n_outlier_k, N_OUT_V=profile.n_outlier_v,
-            HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16,
+            HAS_SINK=has_sink, HAS_TAIL=has_tail, BLOCK_N=16, VS8=pages.v_scale.dtype == torch.uint8,
         )
     return out

@@ -115,9 +115,10 @@ def test_calibrate_per_channel_key_bits(model_and_data, tmp_path):
     fit = json.loads((tmp_path / "code-2bit.json").read_text())["fit_options"]
     assert fit["k_channel_bits"] == 38 and fit["n_outlier"] == 0 and fit["codebook"] == "uniform"
     assert fit["codebook_v"] == "kmeans" and fit["k_range"] == "minmax" and fit["query_energy"] is True
-    # and each layer's widths allocated by sensitivity within the recipe's bits (2-bit values + 38 key bits + the
-    # fp16 scale per head row of D=16 channels)
+    # and each layer's widths allocated by sensitivity within the recipe's bits (2-bit values + 38 key bits + an
+    # fp16 scale per head row of D=16 channels), the recipe's scales being 8-bit codes
     widths = fit["layer_widths"]
-    assert len(widths) == len(prof.layers) and sum(kb + vb * 16 + 16 for vb, kb in widths) <= len(widths) * (38 + 48)
+    assert fit["v_scale_bits"] == 8
+    assert len(widths) == len(prof.layers) and sum(kb + vb * 16 + 8 for vb, kb in widths) <= len(widths) * (38 + 48)
     alloc = load_profile(str(tmp_path / "code-2bit"))
     assert [list(w) for w in alloc.layer_widths()] == widths

@@ -9,7 +9,8 @@ exact solver instead of a search heuristic.
 Method. On calibration windows (never the evaluation text), for each layer l alone: the KLD of the model's
 next-token distribution against the full-precision run when only layer l's keys go through the recipe at key row
 budget kb (values exact), for every kb of a grid, and when only its values go through at value width vb (keys
-exact), for every vb in {2, 3, 4} (`measure_sensitivity`, through `actors.kv.simulated.SimulatedCache`). Taking
+exact), for every vb of the recipe's value grid (`value_bits_grid`: {1, 2, 3, 4} at 2 bits, {2, 3, 4} above)
+(`measure_sensitivity`, through `actors.kv.simulated.SimulatedCache`). Taking
 the errors as additive over layers and between keys and values (measured: the sum of the single-layer KLDs
 predicts the all-layer KLD within 20%), `allocate` picks one (vb, kb) per layer minimising the summed KLD subject
 to the profile's mean bits per element (codes plus the fp16 value scale), by dynamic programming over the layers.
@@ -24,7 +25,18 @@ import torch
 from actors.kv.simulated import SimulatedCache, window_logits
 
 VALUE_BITS = (2, 3, 4)
-SCALE_BITS = 16  # the fp16 per-token value scale of every head row
+# At 2 bits a layer's values may go down to 1 bit so that the most sensitive layer's values get 3: on the 4k
+# tiny-moe checkpoint the last layer's values carry most of the 2-bit error (keeping them exact alone takes the
+# mean KLD from 0.045 to 0.027; any other layer's keys or values exact: 0.036-0.044), while keys below 2 bits per
+# channel cost far more than they free (layers 0-2 at 112 bits per key row: keys-only KLD 0.018 -> 0.038).
+# BENCHMARKS.md, "1-bit values".
+VALUE_BITS_2 = (1, 2, 3, 4)
+SCALE_BITS = 16  # the fp16 per-token value scale of a head row (8 with an 8-bit log2 scale, `v_scale_bits`)
+
+
+def value_bits_grid(bits: int) -> tuple[int, ...]:
+    """Value widths the layers of a `bits`-bit recipe may take: (1, 2, 3, 4) at 2 bits, (2, 3, 4) otherwise."""
+    return VALUE_BITS_2 if bits == 2 else VALUE_BITS
 
 
 def key_bits_grid(head_dim: int) -> list[int]:
@@ -33,19 +45,21 @@ def key_bits_grid(head_dim: int) -> list[int]:
     return list(range(2 * head_dim, int(6.5 * head_dim) + 1, step)) + [8 * head_dim]
 
 
-def row_bits(value_bits: int, key_bits: int, head_dim: int) -> int:
+def row_bits(value_bits: int, key_bits: int, head_dim: int, scale_bits: int = SCALE_BITS) -> int:
     """Bits of one token's K and V head rows: key codes, value codes, the fp16 value scale."""
-    return key_bits + value_bits * head_dim + SCALE_BITS
+    return key_bits + value_bits * head_dim + scale_bits
 
 
 def allocate(key_kld: list[dict[int, float]], value_kld: list[dict[int, float]], head_dim: int,
-             budget_bits: float) -> list[tuple[int, int]]:
+             budget_bits: float, scale_bits: int = SCALE_BITS) -> list[tuple[int, int]]:
     """Per layer (value bits, key row bits) minimising sum_l key_kld[l][kb] + value_kld[l][vb] subject to
-    mean_l row_bits(vb, kb) / (2 D) <= budget_bits (bits per K/V element, profile tensors not counted).
+    mean_l row_bits(vb, kb, D, scale_bits) / (2 D) <= budget_bits (bits per K/V element, profile tensors not
+    counted).
 
     Args:
         key_kld, value_kld: per layer {key row bits: KLD} / {value bits: KLD} (`measure_sensitivity`).
         head_dim: D. budget_bits: mean bits per element allowed (e.g. the uniform recipe's).
+        scale_bits: bits of a head row's value scale (16: fp16; 8: the 8-bit log2 code).
     Returns:
         [(vb, kb)] per layer. Ties: the cheaper total, then the earlier grid entries.
     Raises:
@@ -60,7 +74,7 @@ def allocate(key_kld: list[dict[int, float]], value_kld: list[dict[int, float]],
         for used, (err, picks) in best.items():
             for vb, ve in sorted(vk.items()):
                 for kb, ke in sorted(kk.items()):
-                    tot = used + row_bits(vb, kb, head_dim)
+                    tot = used + row_bits(vb, kb, head_dim, scale_bits)
                     if tot > cap:
                         continue
                     cand = (err + ve + ke, picks + [(vb, kb)])
@@ -122,13 +136,15 @@ def recipe_budget(bits: int, key_row_bits: int | None, head_dim: int) -> float:
 
 
 def fit_allocated_profile(model, k_layers, v_layers, windows: list[list[int]], *, name: str, bits: int,
-                          query_energy=None, meta: dict | None = None, progress=None, **fit_kw):
+                          query_energy=None, meta: dict | None = None, progress=None, value_grid=None, **fit_kw):
     """`fit_model_profile` with layer widths allocated by `measure_sensitivity` on `windows` (calibration text)
-    within the uniform recipe's budget (`recipe_budget`); the curves and the allocation go into the profile's
-    meta ("layer_widths", "layer_sensitivity").
+    within the uniform recipe's budget (`recipe_budget`, counted with an fp16 value scale: with
+    `v_scale_bits=8` in fit_kw the 8 bits each head row saves go to the layers too); the curves and the
+    allocation go into the profile's meta ("layer_widths", "layer_sensitivity").
 
     Args: as `actors.kv.calibration.fit_model_profile`, plus model (`MoEModel`) and windows (token id lists of
-        the calibration text); progress: optional callable(n) called once per measured configuration.
+        the calibration text); progress: optional callable(n) called once per measured configuration;
+        value_grid: the value widths layers may take (default `value_bits_grid(bits)`).
     Raises:
         ValueError: from fit_kv_profile, or `fit_kw` without per-channel keys (`k_channel_bits`).
     """
@@ -152,9 +168,10 @@ def fit_allocated_profile(model, k_layers, v_layers, windows: list[list[int]], *
     # the recipe's own key row is on the grid, so the uniform recipe is one of the choices `allocate` weighs
     grid = sorted(set(key_bits_grid(head_dim)) | {fit_kw["k_channel_bits"]})
     key_kld, value_kld = measure_sensitivity(model, windows, fit_layer, rope_theta=model.cfg.rope_theta,
-                                             head_dim=head_dim, key_grid=grid)
+                                             head_dim=head_dim, key_grid=grid,
+                                             value_grid=value_grid or value_bits_grid(bits))
     budget = recipe_budget(bits, fit_kw["k_channel_bits"], head_dim)
-    widths = allocate(key_kld, value_kld, head_dim, budget)
+    widths = allocate(key_kld, value_kld, head_dim, budget, fit_kw.get("v_scale_bits", SCALE_BITS))
     sens = {"key": [{str(k): round(x, 6) for k, x in d.items()} for d in key_kld],
             "value": [{str(k): round(x, 6) for k, x in d.items()} for d in value_kld]}
     return fit_model_profile(k_layers, v_layers, name=name, bits=bits, query_energy=query_energy,

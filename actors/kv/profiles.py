@@ -39,8 +39,8 @@ class ModelKVProfile:
         name: profile name (the calibration domain, e.g. "prose" or "code").
         bits: the profile's width, 2, 3 or 4: its name (`<domain>-<bits>bit`) and the `--kv-bits` it serves.
             Layers may spend their bits differently (sensitivity-allocated layer widths,
-            `actors.kv.layer_widths`): a layer's value code width `layers[l].bits` (2, 3 or 4) and key row
-            bytes may differ from layer to layer; each layer has its own page layout
+            `actors.kv.layer_widths`): a layer's value code width `layers[l].bits` (2, 3 or 4; also 1 inside a
+            2-bit profile) and key row bytes may differ from layer to layer; each layer has its own page layout
             (`actors.kv.quantized_layout`).
         layers: one KVQuantProfile per layer, all with the same H, D and outlier counts.
         meta: JSON-serialisable metadata (calibration files, tokens, options).

@@ -1,17 +1,18 @@
 """Byte layout of the quantized KV cache's pages, and the cache's size arithmetic (bytes, pages, sequences).
 
 Mixed bit widths, one byte pool (sub-page allocation, actors/kv/pool.py). Every layer has one uint8 arena of
-`num_pages` pages; page p of the pool is page p of every layer's arena and holds the same T_b tokens of one
-profile layout b in each (T_b = pool page bytes // that layout's bytes per token over all layers: 13 / 9 / 7
-tokens at 2 / 3 / 4 bits for tiny-moe's 3968-byte pages), laid out in each layer as a `KVPages` block
-[v_scale | k_outliers | v_outliers (fp16) | k_codes | v_codes (uint8)], so each layout's `KVPages` is a set of
-strided views of the same arenas (block stride = the layer's page bytes). A layer's page bytes are the most any
-layout needs there (`layer_page_bytes`): with layer widths allocated by sensitivity (`actors.kv.layer_widths`: a
-layer's value bits and key row bytes differ from another's) the layers' pages differ in bytes, not in tokens.
-Any free page serves any width; finishing returns whole pages; the only waste is page slack and each sequence's
-unfilled last page (measured below 5% on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of
-S tokens at different widths would differ in bytes; storing them as slabs in fixed pages was measured at 29-44%
-waste (actors/kv/pool.py docstring), hence pages sized in tokens per width.
+`num_pages` pages; page p of the pool is page p of every layer's arena and holds the same T_b tokens of one profile
+layout b in each (T_b = pool page bytes // that layout's bytes per token over all layers: 13 / 9 / 7 tokens at 2 / 3 /
+4 bits for tiny-moe's 3968-byte pages), laid out in each layer as a `KVPages` block [v_scale | k_outliers | v_outliers
+(fp16) | k_codes | v_codes (uint8)] ([k_outliers | v_outliers (fp16) | v_scale | k_codes | v_codes (uint8)] where the
+value scale is an 8-bit code, `KVQuantProfile.v_scale_bits`), so each layout's `KVPages` is a set of strided views of
+the same arenas (block stride = the layer's page bytes). A layer's page bytes are the most any layout needs there
+(`layer_page_bytes`): with layer widths allocated by sensitivity (`actors.kv.layer_widths`: a layer's value bits and
+key row bytes differ from another's) the layers' pages differ in bytes, not in tokens. Any free page serves any width;
+finishing returns whole pages; the only waste is page slack and each sequence's unfilled last page (measured below 5%
+on the issue's workload, tests/actors/kv/test_kv_quant_pool.py). Blocks of S tokens at different widths would differ
+in bytes; storing them as slabs in fixed pages was measured at 29-44% waste (actors/kv/pool.py docstring), hence pages
+sized in tokens per width.
 
 Invariants: a layer's page is a multiple of PAGE_ALIGN bytes, so every fp16 field of a page is 2-byte aligned;
 a layout's fields [v_scale | k_outliers | v_outliers | k_codes | v_codes] of Tp tokens end inside the layer's
@@ -34,11 +35,11 @@ from kernels.kv_pages import KVPages
 PAGE_ALIGN = 16  # bytes; keeps every fp16 field of a page 2-byte aligned and rows friendly to vector loads
 
 
-def layout_key(profile: ModelKVProfile) -> tuple[tuple[int, int, int, int], ...]:
-    """Per layer (value bits, Ok, Ov, Pk): profiles with equal keys share one page layout (H and D are fixed per
-    cache). Pk (key row bytes) differs from the value row's with per-channel key widths (`KVQuantProfile.k_bits`);
-    value bits and Pk may differ between layers (sensitivity-allocated layer widths)."""
-    return tuple((p.bits, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes) for p in profile.layers)
+def layout_key(profile: ModelKVProfile) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Per layer (value bits, Ok, Ov, Pk, value scale bits): profiles with equal keys share one page layout (H and D
+    are fixed per cache). Pk (key row bytes) differs from the value row's with per-channel key widths
+    (`KVQuantProfile.k_bits`); value bits and Pk may differ between layers (sensitivity-allocated layer widths)."""
+    return tuple((p.bits, p.n_outlier_k, p.n_outlier_v, p.k_packed_bytes, p.v_scale_bits) for p in profile.layers)
 
 
 def layer_page_bytes(keys: Iterable[tuple], tokens_per_page: dict[tuple, int], layer_bytes_per_token) -> list[int]:
@@ -50,20 +51,23 @@ def layer_page_bytes(keys: Iterable[tuple], tokens_per_page: dict[tuple, int], l
             for l in range(n_layers)]
 
 
-def arena_views(arena: torch.Tensor, key: tuple[int, int, int, int], tokens: int, h: int, d: int) -> KVPages:
+def arena_views(arena: torch.Tensor, key: tuple[int, int, int, int, int], tokens: int, h: int, d: int) -> KVPages:
     """`KVPages` of one layer's layout over its arena [NP, page bytes] uint8: strided views, no copy (layout in
-    module doc). key: that layer's (value bits, Ok, Ov, Pk), an entry of `layout_key`."""
-    bits, ok, ov, pk = key
+    module doc). key: that layer's (value bits, Ok, Ov, Pk, value scale bits), an entry of `layout_key`."""
+    bits, ok, ov, pk, vsb = key
     npg, pb = arena.shape
     p = packed_bytes(d, bits)
     f16 = arena.view(torch.float16)  # [NP, pb / 2]
     o = 0
     fields = {}
-    for name, n, shape in (("v_scale", tokens * h, (tokens, h)), ("k_outliers", tokens * h * ok, (tokens, h, ok)),
-                           ("v_outliers", tokens * h * ov, (tokens, h, ov))):
+    for name, n, shape in ((("v_scale", tokens * h, (tokens, h)),) if vsb == 16 else ()) + (
+            ("k_outliers", tokens * h * ok, (tokens, h, ok)), ("v_outliers", tokens * h * ov, (tokens, h, ov))):
         fields[name] = f16[:, o:o + n].view(npg, *shape)
         o += n
     o *= 2
+    if vsb == 8:
+        fields["v_scale"] = arena[:, o:o + tokens * h].view(npg, tokens, h)
+        o += tokens * h
     for name, row in (("k_codes", pk), ("v_codes", p)):
         n = h * tokens * row
         fields[name] = arena[:, o:o + n].view(npg, h, tokens, row)

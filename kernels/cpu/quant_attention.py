@@ -16,6 +16,7 @@ from kernels.cpu import _build
 from kernels.cpu._abi import QuantDecodeArgs
 from kernels.kv_pages import KVPages
 from kernels.kv_profile import KVQuantProfile
+from kernels.kv_quant import value_scale_table
 from kernels.paged_attention import _validate, paged_decode_attention_ref
 
 _PROFILE_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its tables as the kernel reads them)
@@ -102,7 +103,8 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         ptr(tl), 0 if tk is None else tk.shape[1], k_scale.data_ptr(), k_zero.data_ptr(), v_zero.data_ptr(),
         k_cb.data_ptr(), v_cb.data_ptr(), kw.data_ptr(), grid, profile.bits, pages.k_codes.shape[-1],
         pages.v_codes.shape[-1], k_oidx.data_ptr(), v_oidx.data_ptr(), k_oidx.shape[1], v_oidx.shape[1],
-        out.data_ptr(), b, hq, h, d, pages.block_size, scale)))
+        out.data_ptr(), b, hq, h, d, pages.block_size, scale,
+        value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)))
     if rc == -3:
         return None
     if rc:

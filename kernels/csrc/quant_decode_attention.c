@@ -6,7 +6,8 @@
    dequantized on the way: keys unpacked from their per-channel-width bitstream (or fixed-width codes) to levels
    (the per-channel uniform grid, or the key codebook), times k_scale plus k_zero, the outlier channels restored
    from fp16, then rotated by RoPE at their position (keys are stored before RoPE); values: v_codebook[code] times
-   the token's fp16 scale plus v_zero, outliers restored.  Then attend_rows (decode_attention.c) attends the query
+   the token's scale (fp16, or with vs_lut an 8-bit log2 code looked up in vs_lut[256]) plus v_zero, outliers
+   restored.  Then attend_rows (decode_attention.c) attends the query
    over the rows.  The scratch (2 T H D floats) is kept per thread, across calls. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +28,7 @@ typedef struct {
     const float *sk, *sv; const long *slen; long ns; const float *tk, *tv; const long *tlen; long nt;
     const float *k_scale, *k_zero, *v_zero, *k_cb, *v_cb; const long *kw; long k_grid, vbits, Pk, P;
     const long *k_oidx, *v_oidx; long Ok, Ov; float *out; long B, Hq, H, D, S; float scale;
+    const float *vs_lut;  /* NULL: v_scale is fp16; else v_scale is uint8 codes and vs_lut[256] their scales */
 } moeray_quant_decode_args;
 
 /* Where channel d's code of a packed row sits: byte `at`, bit `sh` (LSB first), `w` bits (< 2 bytes, since w <= 8). */
@@ -61,7 +63,8 @@ static void dequant_token(const moeray_quant_decode_args *a, const float *kfac, 
         for (long d = 0; d < half; d++) kr[d] = x[d] * cs[d] - x[d + half] * sn[d];
         for (long d = half; d < D; d++) kr[d] = x[d] * cs[d] + x[d - half] * sn[d];
         for (long d = 0; d < D; d++) code[d] = code_of(vrw, vat[d]);
-        const float scale = half_to_float(vs[slot * H + h]);
+        const float scale = a->vs_lut ? a->vs_lut[((const uint8_t *)a->vs + page * a->svs)[slot * H + h]]
+                                      : half_to_float(vs[slot * H + h]);
         float *vr = vrow + h * D;
         for (long d = 0; d < D; d++) vr[d] = a->v_cb[code[d]] * scale + vz[d];
         for (long o = 0; o < a->Ov; o++) vr[a->v_oidx[h * a->Ov + o]] = half_to_float(vo[(slot * H + h) * a->Ov + o]);
