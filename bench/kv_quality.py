@@ -46,11 +46,12 @@ Rows:
                  widths, where key codebook/range options do not apply): `k2out1` the previous recipe (one
                  2-bit uniform key grid + 1 fp16 outlier channel per head), `-qweight` widths allocated with
                  equal channel weights, `kbits144` 144 key bits per head row (the previous recipe's bytes)
-  ... (sim)      storage formats the cache cannot hold yet, simulated with the same quantize-dequantize and
-                 visibility rule (numbers are what the format would give; not servable):
+  ... (sim)      storage formats the recipe does not use, simulated with the same quantize-dequantize and
+                 visibility rule (numbers are what the format would give; `int8out2` the cache cannot hold):
                  `int8out2` 2 key outlier channels per head stored int8 with a calibrated per-channel
                  scale/zero (not at 2 bits, where a large channel gets up to 8 bits anyway); `vs8` the
-                 per-token V scale as an 8-bit log2 code (1/16 octave, rounded up)
+                 per-token V scale as the cache's 8-bit log2 code (1/16 octave, rounded up; 3 and 4 bits only:
+                 the 2-bit recipe stores it so)
 Effective bits count everything stored for one window of the first context (1024 by default; a multiple of
 the 16-token block, so without a sink nothing is left unsealed; with one, 15 tail tokens are): codes, fp16
 scales, outlier values, full-precision sink/tail tokens at 16 bits, and the profile tensors amortised over
@@ -74,6 +75,7 @@ run; a key is never filled from another context.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -99,7 +101,7 @@ from actors.kv.simulated import SimulatedCache  # noqa: E402
 from cluster.config import DEFAULT_MODEL  # noqa: E402
 from bench.kv_eval import BLOCK, KiviCache, WindowStats, add_window, score_records, window_logits  # noqa: E402
 from bench.kv_report import DOMAINS, Row, print_tables, result_line  # noqa: E402
-from kernels.kv_quant import dequantize_kv, nearest_level, quantize_kv  # noqa: E402
+from kernels.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
 from kernels.rope import apply_rope, rope_tables  # noqa: E402
 from scripts.retrieval_records import build_eval_records  # noqa: E402
 
@@ -157,22 +159,10 @@ def _int8_outlier_qdq(prof: ModelKVProfile, k_calib: list[torch.Tensor]):
 
 
 def _vscale8_qdq(prof: ModelKVProfile):
-    """Recipe quantization with the per-token V scale rounded up to 2**(j / 16) (an 8-bit log2 code)."""
-    def qdq(layer, k, v):
-        p = prof.layers[layer]
-        k_dq, v_dq = dequantize_kv(quantize_kv(k, v, p), p)
-        vc = v - p.v_zero
-        mask = torch.ones_like(p.v_zero, dtype=torch.bool)
-        if p.n_outlier_v:
-            mask.scatter_(1, p.v_outlier_idx.long(), False)
-        mag = torch.where(mask, vc.abs(), torch.zeros(())).amax(-1).clamp_min(1e-8)
-        sc = torch.exp2(torch.ceil(torch.log2(mag) * 16) / 16)
-        v_hat = p.v_codebook[nearest_level(vc / sc[..., None], p.v_codebook)] * sc[..., None] + p.v_zero
-        if p.n_outlier_v:
-            ix = p.v_outlier_idx.long().expand(v.shape[0], -1, -1)
-            v_hat = v_hat.scatter(2, ix, v_dq.gather(2, ix))
-        return k_dq, v_hat
-    return qdq
+    """Recipe quantization with the per-token V scale stored as the cache's 8-bit log2 code
+    (`KVQuantProfile.v_scale_bits = 8`, `kernels.kv_quant.encode_value_scale`), the codebooks as fitted."""
+    layers = [dataclasses.replace(p, v_scale_bits=8) for p in prof.layers]
+    return lambda layer, k, v: dequantize_kv(quantize_kv(k, v, layers[layer]), layers[layer])
 
 
 def parse_contexts(text: str) -> list[int]:
