@@ -41,7 +41,7 @@ from actors.engine.sampler import make_generator, sample
 from actors.engine.sampling import KV_PROFILE_AUTO, SamplingParams
 from actors.engine.scheduler import Scheduler, Sequence
 from actors.model.weights import load_rank_weights
-from kernels.cpu import cpu_kernels_available
+from kernels.cpu import cpu_kernels_available, parallel
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
 
@@ -264,6 +264,7 @@ class RankEngine(PlacementMixin, BalancingMixin):
             self._update_bias_alone()
         self.timing["forward_s"] += t2 - t1
         self.timing["sample_s"] += t3 - t2
+        parallel.park()  # the step's compute is done: helper threads stop spinning for its next call
         out, self.outputs = self.outputs, []
         return out
 

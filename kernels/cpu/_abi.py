@@ -112,6 +112,8 @@ SIGNATURES = {
     "moeray_linear_task": (_ptr(LinearArgs), _L),
     "moeray_pool_start": ([_L], _L),
     "moeray_pool_run": ([_L, _P, _L, _L], _L),
+    "moeray_pool_set_spin": ([_L], None),
+    "moeray_pool_park": ([], None),
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),

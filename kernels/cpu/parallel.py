@@ -14,9 +14,11 @@ Invariants.
   (every kernel split here computes each row on its own, in the same order of operations, whatever its
   neighbours: the panel GEMM sums each output over k in one lane, RMSNorm and attention are per row / per head).
 - Few rows run inline (`tuning.PARALLEL_ROWS`): handing a range to a thread costs ~30 us, a decode row ~2 us.
-- The helper threads are made once per process (`set_threads`); between calls the C helpers spin ~30 us, then
-  sleep on a futex, the Python ones sleep in a queue: a rank with nothing to split leaves its other cores alone,
-  unlike an OpenMP pool's spin-wait (measured here: torch with 2 OpenMP threads beside these made a 500-token
+- The helper threads are made once per process (`set_threads`); between calls the C helpers spin up to
+  `STEP_SPIN_S`, then sleep on a futex, and `park` (the engine, at the end of every step) sends them to sleep at
+  once; the Python ones sleep in a queue. So the calls of one step find their helpers awake (a futex wake-up
+  costs ~40 us on a 2-vCPU KVM guest: a 500-token prefill 18.4 -> 16.7-17.2 ms, BENCHMARKS.md) and a rank with
+  nothing to split leaves its other cores alone, unlike an OpenMP pool's spin-wait (measured here: torch with 2 OpenMP threads beside these made a 500-token
   prefill slower, 28.6 -> 31.8 ms, so a rank running these kernels keeps torch at one thread).
 - Helpers run in the caller's inference mode (thread-local in torch). A forked child starts on one thread (its
   parent's helpers do not exist there; the C pool then runs every share on the caller).
@@ -40,6 +42,9 @@ TASK_LINEAR, TASK_RMS_NORM, TASK_EXPERT_FFN, TASK_PREFILL_ATTENTION = 0, 1, 2, 3
 
 ROW_ALIGN = 16  # range starts: a multiple of every kernel's row tile (panel GEMM: 8 rows), so tiles stay whole
 
+# how long the C helpers spin for the next call of a step before sleeping (the engine parks them after each step)
+STEP_SPIN_S = float(os.environ.get("MOERAY_POOL_SPIN_S", "0.001"))
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _threads = 1
@@ -61,7 +66,16 @@ def set_threads(n: int) -> None:
         lib = _build.lib()
         if lib is not None and n > 1:
             n = min(n, 1 + int(lib.moeray_pool_start(n - 1)))  # the C pool only grows; its cap: 63 helpers
+            lib.moeray_pool_set_spin(int(STEP_SPIN_S * 1e9))
         _threads = n
+
+
+def park() -> None:
+    """The end of a step: the C helpers spinning for a next call go to sleep now (the next call wakes them)."""
+    if _threads > 1:
+        lib = _build.lib()
+        if lib is not None:
+            lib.moeray_pool_park()
 
 
 def _forget_after_fork() -> None:  # a forked child has none of the parent's threads: one thread until told

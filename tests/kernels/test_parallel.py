@@ -191,3 +191,35 @@ def test_a_call_right_after_the_pool_starts_is_not_lost():
             % so)
     for _ in range(10):
         subprocess.run([sys.executable, "-c", code], check=True, timeout=20)
+
+
+@needs_kernels
+def test_helpers_spin_within_a_step_and_sleep_after_park(threads):
+    """Helpers spin up to `STEP_SPIN_S` for the next call (a futex wake-up costs ~40 us on a small VM), and `park`
+    (the engine's end of a step) sends them to sleep at once: the process burns no CPU while its caller sleeps."""
+    import time
+
+    from kernels.cpu import _build
+
+    threads(2)
+    lib = _build.lib()
+    x, w = torch.randn(512, 256), torch.randn(256)
+
+    def helper_cpu_over(sleep_s: float, park: bool) -> float:
+        rms_norm(x, w, 1e-6)  # a 2-range call: the helper ran a share and now waits for the next one
+        if park:
+            parallel.park()
+        c0, t0 = time.process_time(), time.thread_time()
+        time.sleep(sleep_s)
+        return (time.process_time() - c0) - (time.thread_time() - t0)  # CPU of the other threads
+
+    try:
+        lib.moeray_pool_set_spin(int(10e9))  # spin "forever" unless parked
+        spinning = helper_cpu_over(0.1, park=False)
+        parked = helper_cpu_over(0.1, park=True)
+    finally:
+        lib.moeray_pool_set_spin(int(parallel.STEP_SPIN_S * 1e9))
+        parallel.park()
+    assert spinning > 0.02, spinning  # the helper spun while the caller slept
+    assert parked < 0.01, parked      # parked: asleep, no CPU
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
