@@ -174,7 +174,8 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
     def _a2a(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
         t0 = time.perf_counter()
         if out_splits is None and self.shm is not None and self.shm.fits(inp.nbytes // self.world):
-            self.shm.all_to_all_single(out, inp)  # equal splits of an agreed size: every rank takes this branch
+            # equal splits of an agreed size: every rank takes this branch
+            self.shm.all_to_all_single(out, inp, within_step=True)
         elif out_splits is None and self.shm is not None and self.shm.fits(inp[0].nbytes):
             self._a2a_pieces(out, inp)  # too large for one call, not for one row: in pieces
         else:
@@ -191,7 +192,8 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
         for a in range(0, n, step):
             piece = src[:, a: a + step].contiguous()
             got = torch.empty_like(piece)
-            self.shm.all_to_all_single(got.view(-1, *inp.shape[1:]), piece.view(-1, *inp.shape[1:]))
+            self.shm.all_to_all_single(got.view(-1, *inp.shape[1:]), piece.view(-1, *inp.shape[1:]),
+                                       within_step=True)
             dst[:, a: a + step] = got
 
     def _route(self, layer: int, ids_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,7 +132,7 @@ class LockstepLoop:
                 if shm is not None:
                     flag_np[:, :6] = mine  # every row: the flags go to every rank
                     flag_np[:, 6:] = 0 if load is None else load.numpy()
-                    shm.all_to_all_single(flags_in, flag)
+                    shm.all_to_all_single(flags_in, flag, within_step=not idle)  # steps back to back: spin
                     work, agreed, stop, committed, t_max, prefill = in_np[:, :6].max(0).tolist()
                     group_load = in_np[:, 6:].sum(0)
                 else:

@@ -28,7 +28,8 @@ far more than the compute it could hide behind (on one node the collective costs
 
 Waiting (kernels/csrc/shm_a2a.c, when the compiled kernels run). The copies, the publish and the wait are
 two C calls per collective (`moeray_shm_a2a_send`, `_recv`; ctypes releases the GIL). A waiting rank spins
-(`pause`) for `SPIN_S` (tens of us: the peer of a balanced step usually arrives within it), then sleeps in
+(`pause`) for `SPIN_S` (30 us), or `STEP_SPIN_S` (500 us) for a call made within a step, where the peer computes
+the same step and usually arrives within that (sleeping and being woken costs ~40 us on a small VM), then sleeps in
 futex(2) FUTEX_WAIT on the low 32 bits of the peer's counter, after announcing itself in that counter line's
 sleeper count; a publisher makes the FUTEX_WAKE system call only when the count is nonzero, so the fast path
 makes none. Store then fence then load on both sides (seq_cst atomics: x86-64 `xchg` / `lock xadd`) means
@@ -69,9 +70,12 @@ from kernels.cpu.shm import shm_a2a_entry_points
 
 log = logging.getLogger("moeray.rank")
 
-# spin this long before sleeping on the futex: within a decode step a peer that is not far behind arrives within
-# tens of us, and longer spins take the core from the peer rank and the front door on the 2-core machine
+# spin this long before sleeping on the futex (a call outside a step: the agreement of a rank that was idle)
 SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.00003"))
+# ... and within a step (`within_step`: the MoE exchanges, the agreement between back-to-back steps), where the peer
+# is computing the same step and arrives within it: a futex wake-up costs ~40 us on a 2-vCPU KVM guest, more than
+# most waits (2 ranks through HTTP, 64 streams: 0.70-0.78x -> 0.79-0.87x of 1 rank, BENCHMARKS.md)
+STEP_SPIN_S = float(os.environ.get("MOERAY_SHM_STEP_SPIN_S", "0.0005"))
 # the Python polling path (no compiled kernels): sched_yield this long, then sleep between polls
 POLL_SPIN_S = float(os.environ.get("MOERAY_SHM_POLL_SPIN_S", "0.002"))
 MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
@@ -150,6 +154,7 @@ class ShmAllToAll:
         # (send, recv) in C, or None: Python copies and polling
         self._c = shm_a2a_entry_points() if platform.machine().lower() in ("x86_64", "amd64") else None
         self._spin_ns, self._slice_ns = int(SPIN_S * 1e9), int(LIVENESS_S * 1e9)
+        self._step_spin_ns = int(STEP_SPIN_S * 1e9)
         self._calls = 0
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
@@ -235,12 +240,14 @@ class ShmAllToAll:
         off = ((bank * self.world + src) * self.world + dst) * self.slot_bytes
         return self._data[off: off + nbytes]
 
-    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, within_step: bool = False) -> None:
         """out[chunk s] = rank s's inp[chunk r] for every rank s (r = this rank), equal chunks along dim 0.
 
         Args:
             out, inp: contiguous CPU tensors of the same dtype and shape, dim 0 divisible by the world size,
                 at most `slot_bytes` per chunk (`fits`).
+            within_step: the peers compute the same step and will arrive soon: spin `STEP_SPIN_S`, not `SPIN_S`,
+                before sleeping.
         Raises:
             ValueError: bad shapes. RuntimeError: a peer timed out or exited.
         """
@@ -250,21 +257,21 @@ class ShmAllToAll:
         if not self.fits(nb):
             raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds slot_bytes={self.slot_bytes}")
         if self._c is not None:
-            self._c_call(out, inp, nb)
+            self._c_call(out, inp, nb, self._step_spin_ns if within_step else self._spin_ns)
         else:
             self._py_call(out, inp, nb)
         self._calls += 1
         self.calls += 1
 
-    def _c_call(self, out: torch.Tensor, inp: torch.Tensor, nb: int) -> None:
+    def _c_call(self, out: torch.Tensor, inp: torch.Tensor, nb: int, spin_ns: int) -> None:
         send, recv = self._c
         args = (self._base, LINE, self.world, self.rank, self.slot_bytes, self._calls)
         send(*args, inp.data_ptr(), out.data_ptr(), nb)
         t0 = time.perf_counter()
-        s = recv(*args, out.data_ptr(), nb, self._spin_ns, self._slice_ns)
+        s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns)
         while s >= 0:  # a peer did not arrive within LIVENESS_S: is it alive, are we past the timeout?
             self._check(s, time.perf_counter() - t0)
-            s = recv(*args, out.data_ptr(), nb, self._spin_ns, self._slice_ns)
+            s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns)
         self.wait_s += time.perf_counter() - t0
 
     def _check(self, s: int, waited: float) -> None:

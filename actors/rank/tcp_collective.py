@@ -123,13 +123,15 @@ class TcpAllToAll:
         `close`: the callers then take torch.distributed)."""
         return not self.closed and nbytes_per_peer <= self.max_bytes
 
-    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, within_step: bool = False) -> None:
         """out[chunk s] = rank s's inp[chunk r] for every rank s (r = this rank), equal chunks along dim 0:
         `complete(post(inp), out)`.
 
         Args:
             out, inp: contiguous CPU tensors of the same dtype and shape, dim 0 divisible by the world size,
                 at most `max_bytes` per chunk (`fits`).
+            within_step: the same-node transport's spin hint (`ShmAllToAll.all_to_all_single`); a socket read
+                blocks in the kernel with no spin phase, so it changes nothing here.
         Raises:
             ValueError: bad shapes. RuntimeError: a peer closed its connection or timed out, or a posted call is
                 still outstanding (its bytes come first on every socket).

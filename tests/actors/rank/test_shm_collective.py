@@ -295,3 +295,36 @@ def test_rank_0_killed_mid_setup_leaves_no_segment():
     while os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(path), f"{path} left behind by a SIGKILLed rank 0"
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the spin-then-futex wait is the compiled path's")
+def test_a_call_within_a_step_spins_longer_before_sleeping():
+    """`within_step=True` (the MoE exchanges, back-to-back agreements) spins `STEP_SPIN_S` before the futex sleep,
+    a call outside a step `SPIN_S`: with the peer 30 ms late, the waiting rank burns ~the step spin, not more."""
+    import threading
+
+    name = f"moeray_test_{os.getpid()}"
+    a = ShmAllToAll(0, 2, name, 4096, 10.0, [os.getpid()] * 2, create=True)
+    b = ShmAllToAll(1, 2, name, 4096, 10.0, [os.getpid()] * 2)
+    try:
+        a._spin_ns, a._step_spin_ns = 30_000, 10_000_000  # 30 us / 10 ms
+        burnt = {}
+        for within in (False, True):
+            def late_peer():
+                time.sleep(0.03)
+                b.all_to_all_single(torch.empty(2), torch.tensor([2.0, 3.0]))
+
+            t = threading.Thread(target=late_peer)
+            t.start()
+            out, c0 = torch.empty(2), time.thread_time()
+            a.all_to_all_single(out, torch.tensor([0.0, 1.0]), within_step=within)
+            burnt[within] = time.thread_time() - c0
+            t.join()
+            assert out.tolist() == [0.0, 2.0]
+        assert burnt[False] < 0.004, burnt  # 30 us of spin, then asleep
+        assert 0.006 < burnt[True] < 0.025, burnt  # ~10 ms of spin, then asleep (not the whole 30 ms)
+    finally:
+        a.close()
+        b.close()
+        from actors.rank.shm_segment import unlink
+        unlink(name, tracked=True)
