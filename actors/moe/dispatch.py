@@ -241,8 +241,13 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
             return ExpertRows(x_TD, topk_ids_TK, kind="tokens"), DispatchHandle(None, None, T, K)
         if self.replicated[layer]:
             return self._dispatch_local(layer, x_TD, self.local_row[layer][topk_ids_TK], may_pad)
-        tok_V, dest_V, local_V, keep_V = self._pairs(layer, x_TD, topk_ids_TK, may_pad)
         exchange, capacity = self._step_exchange(K, step_max_tokens)
+        if exchange is self._fixed and not may_pad and self.rep_list[layer] is None:  # decode, no replicas
+            got = exchange.send_ids(x_TD, topk_ids_TK, self.rank_of[layer], self.local_of[layer], self._sent[layer],
+                                    capacity)
+            if got is not None:
+                return got[0], DispatchHandle(exchange, got[1], T, K, direct=True)
+        tok_V, dest_V, local_V, keep_V = self._pairs(layer, x_TD, topk_ids_TK, may_pad)
         rows, state = exchange.send(x_TD, tok_V, dest_V, local_V, self._sent[layer], capacity)
         return rows, DispatchHandle(exchange, state, T, K, keep_V)
 
@@ -284,6 +289,8 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
     def combine(self, y_RD, handle, topk_w_TK):
         if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
             return y_RD
+        if handle.direct:  # `send_ids`: results gathered and weighed in one call
+            return handle.exchange.receive_weighed(y_RD, handle.state, topk_w_TK).to(y_RD.dtype)
         return self._weigh(handle.exchange.receive(y_RD, handle.state), handle, topk_w_TK)
 
     def _weigh(self, y_V: torch.Tensor, handle: DispatchHandle, topk_w_TK: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from actors.moe.experts import ExpertRows
-from kernels.cpu import pack_fixed_rows
+from kernels.cpu import pack_fixed_ids, pack_fixed_rows, weigh_rows
 
 A2A = Callable[[torch.Tensor, torch.Tensor, Any, Any], None]  # (out, inp, out_splits, in_splits): all_to_all_single
 
@@ -41,14 +41,16 @@ class Exchange(ABC):
 @dataclass(slots=True)
 class DispatchHandle:
     """What `combine` needs to bring a layer's results back: the exchange that sent the rows (None: the one-token
-    path, nothing to bring back) and its state, the pair shape (T, K), and where the valid pairs sit among the
-    T*K when some ids were padding (keep_V; None: all valid)."""
+    path, nothing to bring back) and its state, the pair shape (T, K), where the valid pairs sit among the
+    T*K when some ids were padding (keep_V; None: all valid), and whether the rows were packed straight from the
+    router's ids (`direct`: `FixedCapacityExchange.send_ids`, brought back by `receive_weighed`)."""
 
     exchange: Exchange | None
     state: Any
     T: int
     K: int
     keep_V: torch.Tensor | None = None
+    direct: bool = False
 
 
 class LocalExchange(Exchange):
@@ -160,6 +162,34 @@ class FixedCapacityExchange(Exchange):
         y_S = torch.empty_like(y_RD)
         self.a2a(y_S, y_RD, None, None)
         return y_S[state]
+
+    def send_ids(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, rank_of_E: torch.Tensor, local_of_E: torch.Tensor,
+                 sent_W: torch.Tensor, capacity: int) -> tuple[ExpertRows, torch.Tensor] | None:
+        """`send` for a layer without replicas or padding ids, straight from the router's ids [T, K]: the pairs'
+        ranks and local rows are looked up by the kernel that packs them (rank_of_E / local_of_E [E]: the layer's
+        placement tables), so no pair tensors are built (decode: ~10 torch ops a layer fewer). Returns (rows, the
+        slot of every (t, k) pair [T * K]: `receive_weighed`'s state), or None when the kernel cannot run (fp32
+        only; the caller then takes `send`)."""
+        packed = pack_fixed_ids(x_TD, ids_TK, rank_of_E, local_of_E, self.world, capacity)
+        if packed is None:
+            return None
+        send, slot_TK, counts = packed
+        sent_W += counts
+        recv = torch.empty_like(send)
+        self.a2a(recv, send, None, None)
+        D = x_TD.shape[1]
+        return ExpertRows(recv[:, :D], recv[:, D].to(torch.int64), kind="padded"), slot_TK
+
+    def receive_weighed(self, y_RD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """`send_ids`'s results back and weighed: out [T, D] = sum_k w[t, k] * y_pair[t, k] (one compiled call
+        after the collective; PyTorch ops if it cannot run)."""
+        y_S = torch.empty_like(y_RD)
+        self.a2a(y_S, y_RD.contiguous(), None, None)
+        out = weigh_rows(y_S, slot_TK, w_TK)
+        if out is None:
+            T, K = w_TK.shape
+            out = (y_S[slot_TK] * w_TK.reshape(-1, 1).to(y_S.dtype)).view(T, K, -1).sum(dim=1)
+        return out
 
     def post_send(self, x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
                   sent_W: torch.Tensor, capacity: int) -> tuple:

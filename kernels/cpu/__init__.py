@@ -3,8 +3,8 @@
 Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `packing` (bf16 weights in the panel GEMM's
 layout, cached), `attention` (paged decode and causal prefill attention), `rope` (rotary embedding), `experts`
 (SwiGLU experts with bf16 or fp32 weights, grouped by expert), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
-`dispatch` (the fixed-capacity dispatch's send buffer), `shm` (the shared-memory all-to-all's copies and futex
-wait), `predict` (the expert predictor's decode-step bookkeeping), `parallel` (a call with many rows split over
+`dispatch` (the fixed-capacity dispatch's send buffer, the combine's weighted sum), `shm` (the shared-memory
+all-to-all's copies and futex wait), `predict` (the expert predictor's decode-step bookkeeping), `parallel` (a call with many rows split over
 the rank's compute threads: the C pool of kernels/csrc/pool.c),
 `_build` (compile, cache and load; holds the library), `_abi` (the C entry points' ctypes argument structs).
 
@@ -23,7 +23,7 @@ The engine keeps weights bf16 only when it runs (`EngineConfig.weight_storage`).
 from kernels.cpu import parallel
 from kernels.cpu._build import cpu_kernels_available
 from kernels.cpu.attention import decode_attention, prefill_attention
-from kernels.cpu.dispatch import pack_fixed_rows
+from kernels.cpu.dispatch import pack_fixed_ids, pack_fixed_rows, weigh_rows
 from kernels.cpu.experts import expert_ffn, swiglu_f32
 from kernels.cpu.linear import linear, rms_norm
 from kernels.cpu.packed import PackedFFNArgs, dequant_packed, packed_expert_ffn
@@ -32,6 +32,6 @@ from kernels.cpu.rope import rope
 
 __all__ = [
     "GateLogprobs", "MarkovTables", "PackedFFNArgs", "cpu_kernels_available", "decode_attention", "dequant_packed",
-    "expert_ffn", "linear", "pack_fixed_rows", "parallel", "packed_expert_ffn", "prefetch_step", "prefill_attention",
-    "rms_norm", "rope", "swiglu_f32",
+    "expert_ffn", "linear", "pack_fixed_ids", "pack_fixed_rows", "parallel", "packed_expert_ffn", "prefetch_step",
+    "prefill_attention", "rms_norm", "rope", "swiglu_f32", "weigh_rows",
 ]

@@ -63,6 +63,16 @@ class PackRowsArgs(ctypes.Structure):
     _fields_ = _fields("P x, L D, P tok, P dest, P local, L V, L W, L C, P send, P slot, P counts")
 
 
+class PackIdsArgs(ctypes.Structure):
+    """`moeray_pack_ids_args` (kernels/csrc/pack_rows.c)."""
+    _fields_ = _fields("P x, L D, P ids, L T, L K, P rank_of, P local_of, L E, L W, L C, P send, P slot, P counts")
+
+
+class WeighRowsArgs(ctypes.Structure):
+    """`moeray_weigh_rows_args` (kernels/csrc/pack_rows.c)."""
+    _fields_ = _fields("P y, L D, L ys, P slot, P w, L T, L K, P out")
+
+
 class DequantPackedArgs(ctypes.Structure):
     """`moeray_dequant_packed_args` (kernels/csrc/dequant_packed.c)."""
     _fields_ = _fields("P codes, L W, P s, P z, L G, L gs, P cb, L L, L rows_per_matrix, L R, L K, L bits, P out")
@@ -121,6 +131,8 @@ SIGNATURES = {
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),
+    "moeray_pack_ids": (_ptr(PackIdsArgs), ctypes.c_long),
+    "moeray_weigh_rows": (_ptr(WeighRowsArgs), None),
     "moeray_dequant_packed": (_ptr(DequantPackedArgs), None),
     "moeray_packed_expert_ffn": (_ptr(PackedExpertFFNArgs), None),
     "moeray_markov_observe": (_ptr(MarkovObserveArgs), None),

@@ -31,3 +31,50 @@ typedef struct {
 long moeray_pack_rows(const moeray_pack_rows_args *a) {
     return pack_rows(a->x, a->D, a->tok, a->dest, a->local, a->V, a->W, a->C, a->send, a->slot, a->counts);
 }
+
+/* The same straight from the router's ids (a layer without replicas or padding ids): pair v = (t, k), t = v / K,
+   of ids [T, K] goes to rank rank_of[ids[v]] as local row local_of[ids[v]] (rank_of / local_of [E]: the layer's
+   placement tables).  Returns -1 as pack_rows does, -2 for an id outside [0, E). */
+typedef struct {
+    const float *x; long D; const long *ids; long T, K; const long *rank_of, *local_of; long E, W, C; float *send;
+    long *slot, *counts;
+} moeray_pack_ids_args;
+
+long moeray_pack_ids(const moeray_pack_ids_args *a) {
+    const long D = a->D, K = a->K, V = a->T * a->K, W = a->W, C = a->C;
+    for (long r = 0; r < W; r++) a->counts[r] = 0;
+    for (long v = 0; v < V; v++) {
+        const long e = a->ids[v];
+        if (e < 0 || e >= a->E) return -2;
+        const long r = a->rank_of[e];
+        if (r < 0 || r >= W || a->counts[r] >= C) return -1;
+        const long row = r * C + a->counts[r]++;
+        a->slot[v] = row;
+        float *dst = a->send + row * (D + 1);
+        const float *src = a->x + (v / K) * D;
+        for (long d = 0; d < D; d++) dst[d] = src[d];
+        dst[D] = (float)a->local_of[e];
+    }
+    for (long r = 0; r < W; r++)
+        for (long j = a->counts[r]; j < C; j++) a->send[(r * C + j) * (D + 1) + D] = -1.0f;
+    return 0;
+}
+
+/* The combine's weighted sum over a fixed-capacity receive buffer: out[t] = sum_k w[t, k] * y[slot[t * K + k]],
+   k in order (y [R, D] fp32 rows with row stride ys, w [T, K] fp32, out [T, D]). */
+typedef struct { const float *y; long D, ys; const long *slot; const float *w; long T, K; float *out; } moeray_weigh_rows_args;
+
+void moeray_weigh_rows(const moeray_weigh_rows_args *a) {
+    const long D = a->D, K = a->K;
+    for (long t = 0; t < a->T; t++) {
+        float *o = a->out + t * D;
+        for (long k = 0; k < K; k++) {
+            const float wk = a->w[t * K + k];
+            const float *y = a->y + a->slot[t * K + k] * a->ys;
+            if (k == 0)
+                for (long d = 0; d < D; d++) o[d] = wk * y[d];
+            else
+                for (long d = 0; d < D; d++) o[d] += wk * y[d];
+        }
+    }
+}

@@ -264,6 +264,34 @@ def test_pack_fixed_rows_matches_the_torch_construction():
 
 
 @needs_kernels
+def test_pack_fixed_ids_equals_pack_fixed_rows_and_weigh_rows_the_torch_sum():
+    """From the router's ids and the layer's tables, the same send buffer, slots and counts as `pack_fixed_rows` on
+    the pairs it implies; an id outside [0, E) and an overfull rank are refused. `weigh_rows` gives
+    sum_k w[t, k] * y[slot[t, k]] (rows of a strided buffer)."""
+    from kernels.cpu import pack_fixed_ids, pack_fixed_rows, weigh_rows
+
+    g = torch.Generator().manual_seed(4)
+    T, K, D, E, W, C = 5, 2, 12, 8, 3, 10
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    rank_of = torch.tensor([0, 0, 1, 1, 2, 2, 0, 1])
+    local_of = torch.tensor([0, 1, 0, 1, 0, 1, 2, 2])
+    send, slot, counts = pack_fixed_ids(x, ids, rank_of, local_of, W, C)
+    tok = torch.arange(T).repeat_interleave(K)
+    want = pack_fixed_rows(x, tok, rank_of[ids.reshape(-1)], local_of[ids.reshape(-1)], W, C)
+    assert torch.equal(slot, want[1]) and torch.equal(counts, want[2])
+    assert torch.equal(send[:, D], want[0][:, D]) and torch.equal(send[slot], want[0][slot])
+    with pytest.raises(ValueError, match="outside"):
+        pack_fixed_ids(x, torch.full((T, K), E), rank_of, local_of, W, C)
+    with pytest.raises(ValueError, match="capacity=1"):
+        pack_fixed_ids(x, ids, rank_of, local_of, W, 1)
+    y = torch.randn(W * C, D + 3, generator=g)[:, :D]  # row stride D + 3, like the received rows
+    w = torch.rand(T, K, generator=g)
+    out = weigh_rows(y, slot, w)
+    torch.testing.assert_close(out, (y[slot] * w.reshape(-1, 1)).view(T, K, D).sum(1), atol=1e-6, rtol=1e-6)
+
+
+@needs_kernels
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("codebook", [False, True])
 def test_dequant_packed_is_bit_identical_to_the_reference(bits, codebook, monkeypatch):
