@@ -94,7 +94,7 @@ def instrument(reg: Regions) -> None:
     patch(model, "linear", "linear")
     patch(model, "rms_norm", "rms_norm")
     patch(model, "swiglu_mlp", "dense_mlp")
-    patch(model, "topk_softmax_ref", "route")
+    patch(model, "select_experts", "route")
     patch(model.GatingRouter, "route", "route")
     patch(layers.Rotary, "apply", "rope")
     patch(paged.PagedKVCache, "write", "kv_write")

@@ -33,7 +33,7 @@ from actors.moe.experts import Experts
 from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.cpu import linear
-from kernels.gating import topk_softmax_ref
+from kernels.cpu.routing import select_experts
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
 from actors.model.two_batch import forward_two_batch
@@ -213,7 +213,7 @@ class MoEModel:
         if self.gating_router is not None and gating is not None:
             r = self.gating_router.route(l, logits, x_TD, gating)
             return y, r.weights, r.ids, r.shared_scale, r.may_pad  # [T, K'], [T]
-        topk_w, topk_ids = topk_softmax_ref(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
+        topk_w, topk_ids = select_experts(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         return y, topk_w, topk_ids, None, False
 
     def shared_expert(self, l: int, y: torch.Tensor, shared_scale: torch.Tensor | None):

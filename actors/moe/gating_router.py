@@ -42,7 +42,8 @@ import math
 import torch
 
 from kernels import tuning
-from kernels.gating import sanitize_router_logits, select_experts_ref, topk_lowest_id
+from kernels.cpu.routing import select_experts
+from kernels.gating import sanitize_router_logits, topk_lowest_id
 from actors.moe.gating import POLICIES, GatingBatch, GatingConfig, Routing
 from actors.moe.gating_state import RoutingState
 
@@ -85,8 +86,8 @@ class GatingRouter:
         if cfg.backend == "triton":
             from kernels.gating_triton import select_experts_triton
             self._select = select_experts_triton
-        else:
-            self._select = select_experts_ref
+        else:  # CPU fp32: one compiled call (`kernels.cpu.routing`), else the reference
+            self._select = select_experts
 
     # ------------------------------------------------------------------ entry point
     def route(self, layer: int, logits_TE: torch.Tensor, x_TD: torch.Tensor, batch: GatingBatch) -> Routing:
@@ -236,7 +237,7 @@ class GatingRouter:
                 vel[wv] = torch.where(torch.isnan(base), d, beta * base + (1 - beta) * d)
             st.velocity[slots[batch.last_rows], layer] = vel[batch.last_rows]
         # the rule (module docstring); a token with no history yet (nan) counts as neither fast nor slow
-        w, ids = select_experts_ref(logits, self.K, self.renorm)
+        w, ids = self._select(logits, self.K, self.renorm)
         fast = torch.nan_to_num(vel, nan=-1.0) >= cfg.velocity_fast
         slow = torch.nan_to_num(vel, nan=float("inf")) <= cfg.velocity_slow
         kv, tiny = cfg.velocity_k, torch.finfo(torch.float32).tiny

@@ -2,11 +2,12 @@
 
 Modules: `linear` (bf16-weight linear, residual add + RMSNorm), `packing` (bf16 weights in the panel GEMM's
 layout, cached), `attention` (paged decode and causal prefill attention), `rope` (rotary embedding), `experts`
-(SwiGLU experts with bf16 or fp32 weights, grouped by expert), `packed` (packed sub-4-bit weights: dequantize, fused SwiGLU experts),
-`dispatch` (the fixed-capacity dispatch's send buffer, the combine's weighted sum), `shm` (the shared-memory
-all-to-all's copies and futex wait), `predict` (the expert predictor's decode-step bookkeeping), `parallel` (a call with many rows split over
-the rank's compute threads: the C pool of kernels/csrc/pool.c),
-`_build` (compile, cache and load; holds the library), `_abi` (the C entry points' ctypes argument structs).
+(SwiGLU experts with bf16 or fp32 weights, grouped by expert), `packed` (packed sub-4-bit weights: dequantize,
+fused SwiGLU experts), `dispatch` (the fixed-capacity dispatch's send buffer, the combine's weighted sum), `shm`
+(the shared-memory all-to-all's copies and futex wait), `routing` (the router's softmax and top-k), `predict` (the
+expert predictor's decode-step bookkeeping), `parallel` (a call with many rows split over the rank's compute
+threads: the C pool of kernels/csrc/pool.c), `_build` (compile, cache and load; holds the library), `_abi` (the C
+entry points' ctypes argument structs).
 
 Why. Decode at batch 1 on CPU is bound by two things: reading every weight once per token, and the per-op
 overhead of eager PyTorch (~550 ops per token on the shipped model). These kernels read bf16 or packed weights

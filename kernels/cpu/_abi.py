@@ -73,6 +73,11 @@ class WeighRowsArgs(ctypes.Structure):
     _fields_ = _fields("P y, L D, L ys, P slot, P w, L T, L K, P out")
 
 
+class TopkSoftmaxArgs(ctypes.Structure):
+    """`moeray_topk_softmax_args` (kernels/csrc/topk_softmax.c)."""
+    _fields_ = _fields("P x, L sx, L T, L E, L K, L renorm, P bias, P w, P ids")
+
+
 class DequantPackedArgs(ctypes.Structure):
     """`moeray_dequant_packed_args` (kernels/csrc/dequant_packed.c)."""
     _fields_ = _fields("P codes, L W, P s, P z, L G, L gs, P cb, L L, L rows_per_matrix, L R, L K, L bits, P out")
@@ -132,6 +137,7 @@ SIGNATURES = {
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),
     "moeray_pack_ids": (_ptr(PackIdsArgs), ctypes.c_long),
+    "moeray_topk_softmax": (_ptr(TopkSoftmaxArgs), ctypes.c_long),
     "moeray_weigh_rows": (_ptr(WeighRowsArgs), None),
     "moeray_dequant_packed": (_ptr(DequantPackedArgs), None),
     "moeray_packed_expert_ffn": (_ptr(PackedExpertFFNArgs), None),

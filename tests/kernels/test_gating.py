@@ -1,12 +1,14 @@
 """Router edge cases: non-finite logits, one dominant expert, zero tokens."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from actors.moe.dispatch import AllToAllDispatcher
 from actors.moe.placement import ExpertPlacement
 from actors.moe.experts import LocalExperts
-from kernels.gating import topk_softmax_ref
+from kernels.cpu import cpu_kernels_available
+from kernels.gating import select_experts_ref, topk_softmax_ref
 
 
 def _check(w, ids, k, E):
@@ -69,3 +71,28 @@ def test_topk_out_of_range_raises():
 
     with pytest.raises(ValueError, match="top_k=9"):
         topk_softmax_ref(torch.zeros(1, 8), 9, False)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the compiled CPU kernels are not built")
+@pytest.mark.parametrize("renorm", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_compiled_selection_equals_the_reference(renorm, with_bias):
+    """`kernels.cpu.routing.select_experts` (one compiled call) picks the reference's ids, ties to the lowest id,
+    and its weights within fp32 rounding, on strided logits, non-finite rows, exact ties and many experts."""
+    from kernels.cpu.routing import select_experts
+
+    g = torch.Generator().manual_seed(7)
+    for T, E, K in [(1, 8, 2), (64, 8, 2), (500, 8, 2), (9, 60, 4), (3, 128, 8)]:
+        bias = torch.randn(E, generator=g) * 0.01 if with_bias else None
+        x = (torch.randn(T, E + 5, generator=g) * 3)[:, 2:E + 2]  # a column slice: row stride E + 5
+        w, ids = select_experts(x, K, renorm, bias)
+        w_ref, ids_ref = select_experts_ref(x, K, renorm, bias)
+        assert torch.equal(ids, ids_ref), (T, E, K)
+        torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-6)
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[nan, inf, 1.0, inf], [nan] * 4, [-inf] * 4, [0.0] * 4, [2.0, 5.0, 5.0, 5.0]])
+    w, ids = select_experts(x, 2, renorm)
+    assert ids.tolist() == [[1, 3], [0, 1], [0, 1], [0, 1], [1, 2]]
+    torch.testing.assert_close(w, select_experts_ref(x, 2, renorm)[0])
+    with pytest.raises(ValueError, match="top_k"):
+        select_experts(torch.zeros(2, 4), 5, False)
