@@ -10,7 +10,10 @@ agree the step's largest token count over the transport (one all-to-all of a few
 - `1rank_B/2`: one rank with half of them (what each rank of a 2-rank group holds);
 - `2ranks`: two ranks, experts sharded (per MoE layer a dispatch and a combine exchange), B/2 sequences each;
 - `2ranks_replicated`: two ranks, every expert on both (`--redundant-experts`: no per-layer exchange, the step
-  agreement only).
+  agreement only);
+- `1rank_1`, `2ranks_1`, `2ranks_replicated_1`: one sequence, on one rank, or on rank 0 of a 2-rank group whose
+  rank 1 has none and only serves its experts (one stream through a 2-rank server: the wall ms per step is its
+  inter-token latency without the front door).
 
 Per configuration: each rank's CPU ms per step (`time.thread_time` of its stepping thread), wall ms per step, and
 for the 2-rank groups the exchange's wall ms per step (`AllToAllDispatcher.comm_s`). Ratios: total CPU per token of
@@ -22,8 +25,9 @@ for the 2-rank groups the exchange's wall ms per step (`AllToAllDispatcher.comm_
     python bench/rank_step_cost.py                  # B = 64, 4 rounds
 
 Last line: RESULT cpu_2v1=.. cpu_2v1_replicated=.. tps_2v1=.. tps_2v1_replicated=.. fixed_ms=.. per_seq_ms=..
-repeat_share=.. exchange_ms=.. (medians over rounds; repeat_share: the fraction of the sharded 2-rank CPU excess
-that the repeated per-step cost explains).
+repeat_share=.. exchange_ms=.. step1_2v1=.. step1_2v1_replicated=.. (medians over rounds; repeat_share: the
+fraction of the sharded 2-rank CPU excess that the repeated per-step cost explains; step1_2v1: the one-sequence wall
+ms per step of 2 ranks over 1 rank).
 """
 from __future__ import annotations
 
@@ -105,8 +109,10 @@ def _rank(rank: int, world: int, port: int, batch: int, replicated: bool, steps:
         q.put((rank, repr(e)))
 
 
-def run_group(batch_per_rank: int, replicated: bool, steps: int) -> list[tuple[float, float, float]]:
-    """Two spawned ranks of `batch_per_rank` sequences each: [(CPU ms, wall ms, exchange ms) per step] by rank."""
+def run_group(batch_per_rank: int, replicated: bool, steps: int, one_sided: bool = False
+              ) -> list[tuple[float, float, float]]:
+    """Two spawned ranks of `batch_per_rank` sequences each (one_sided: rank 0 holds them, rank 1 none, as one
+    stream through a 2-rank server): [(CPU ms, wall ms, exchange ms) per step] by rank."""
     import torch.multiprocessing as mp
 
     from actors.rank.rendezvous import host_store
@@ -114,7 +120,8 @@ def run_group(batch_per_rank: int, replicated: bool, steps: int) -> list[tuple[f
     store = host_store(2)  # held until the ranks are done
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, store.port, batch_per_rank, replicated, steps, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, 2, store.port, 0 if one_sided and r else batch_per_rank, replicated,
+                                             steps, q)) for r in range(2)]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=600) for _ in procs)
@@ -154,10 +161,13 @@ def main() -> None:
         raise SystemExit(f"--batch {a.batch} must be even (half on each rank)")
     rounds = a.rounds or (2 if a.quick else 4)
     B, h = a.batch, a.batch // 2
-    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": []}
+    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": [], "1rank_1": [],
+                            "2ranks_1": [], "2ranks_replicated_1": []}
     for rnd in range(rounds):
         runs = [("1rank_B", lambda: [run_one(B, steps)]), ("1rank_B/2", lambda: [run_one(h, steps)]),
-                ("2ranks", lambda: run_group(h, False, steps)), ("2ranks_replicated", lambda: run_group(h, True, steps))]
+                ("2ranks", lambda: run_group(h, False, steps)), ("2ranks_replicated", lambda: run_group(h, True, steps)),
+                ("1rank_1", lambda: [run_one(1, steps)]), ("2ranks_1", lambda: run_group(1, False, steps, True)),
+                ("2ranks_replicated_1", lambda: run_group(1, True, steps, True))]
         for name, fn in runs if rnd % 2 == 0 else runs[::-1]:
             r = fn()
             res[name].append(r)
@@ -171,13 +181,14 @@ def main() -> None:
     cpu = {n: med(n, lambda r: sum(c for c, _, _ in r)) for n in res}  # CPU ms per step, every rank
     wall = {n: med(n, lambda r: max(w for _, w, _ in r)) for n in res}
     exch = med("2ranks", lambda r: statistics.mean(x for _, _, x in r))
-    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B}
+    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B, "1rank_1": 1, "2ranks_1": 1,
+            "2ranks_replicated_1": 1}
     print(f"\nmachine: {os.cpu_count()} cores; {B} sequences in all; {steps} decode steps per run; rounds: {rounds}; "
           "medians; one compute thread per rank\n")
     print("| config | sequences per rank | CPU ms/step (all ranks) | wall ms/step | CPU ms/token | tok/s |")
     print("|---|---|---|---|---|---|")
     for n in res:
-        per = B if n == "1rank_B" else h
+        per = B if n == "1rank_B" else 1 if n.endswith("_1") else h
         print(f"| {n} | {per} | {cpu[n]:.2f} | {wall[n]:.2f} | {cpu[n] / toks[n]:.4f} | {toks[n] / wall[n] * 1e3:.0f} |")
     per_seq = (cpu["1rank_B"] - cpu["1rank_B/2"]) / (B - h)
     fixed = cpu["1rank_B"] - per_seq * B
@@ -186,7 +197,8 @@ def main() -> None:
     out = {"cpu_2v1": cpu["2ranks"] / cpu["1rank_B"], "cpu_2v1_replicated": cpu["2ranks_replicated"] / cpu["1rank_B"],
            "tps_2v1": wall["1rank_B"] / wall["2ranks"], "tps_2v1_replicated": wall["1rank_B"] / wall["2ranks_replicated"],
            "fixed_ms": fixed, "per_seq_ms": per_seq, "repeat_share": repeat / excess if excess > 0 else 0.0,
-           "exchange_ms": exch}
+           "exchange_ms": exch, "step1_2v1": wall["2ranks_1"] / wall["1rank_1"],
+           "step1_2v1_replicated": wall["2ranks_replicated_1"] / wall["1rank_1"]}
     print(f"\nper-step cost of one rank: {fixed:.2f} ms fixed + {per_seq:.4f} ms per sequence; a 2-rank group's CPU "
           f"excess over 1 rank {excess:.2f} ms/step, of which the second rank's repeated per-step cost {repeat:.2f}; "
           f"sharded exchange wall {exch:.2f} ms/step per rank")
