@@ -246,8 +246,9 @@ class ShmAllToAll:
         Args:
             out, inp: contiguous CPU tensors of the same dtype and shape, dim 0 divisible by the world size,
                 at most `slot_bytes` per chunk (`fits`).
-            within_step: the peers compute the same step and will arrive soon: spin `STEP_SPIN_S`, not `SPIN_S`,
-                before sleeping.
+            within_step: the peers compute the same step and will arrive soon: the compiled wait spins
+                `STEP_SPIN_S`, not `SPIN_S`, before sleeping (the Python polling path, without compiled kernels,
+                yields for `POLL_SPIN_S` before sleeping either way).
         Raises:
             ValueError: bad shapes. RuntimeError: a peer timed out or exited.
         """

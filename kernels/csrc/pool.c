@@ -11,8 +11,8 @@
    Step-scoped spin (`moeray_pool_set_spin`, `moeray_pool_park`).  Waking a helper asleep in FUTEX_WAIT costs ~40 us
    on a 2-vCPU KVM guest (the idle vCPU halts; measured: a 500-row RMSNorm takes 19 us back to back, 57-70 us after
    any pause), and a 500-token prefill makes ~35 pool calls with one-thread work between them (routing, RoPE, KV
-   writes: 20-300 us each).  So helpers spin up to `spin_ns` for the next task (default 30 us; the engine sets it to
-   a step's length) and the engine parks them at the end of each step: a park makes a spinning helper go to sleep at
+   writes: 20-300 us each).  So helpers spin up to `helper_spin_ns` for the next task (30 us until set;
+   kernels/cpu/parallel.py sets 1 ms) and the engine parks them at the end of each step: a park makes a spinning helper go to sleep at
    once, so a rank between steps still leaves its cores alone.
    Calls are serialized by a mutex (the engine calls from one thread; tests may call from several). */
 #define _GNU_SOURCE
