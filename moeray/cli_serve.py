@@ -105,7 +105,9 @@ def _port_problem(a) -> str | None:
     """Where this machine's servers would bind (a private local Ray: the Serve proxies and the replica run here),
     a port that cannot be bound now, named by its flag. Serve's HTTP proxy shares a port with another listener
     that set SO_REUSEPORT (a second `moeray serve` on the same port) without an error, and a plainly busy port
-    fails only ~10 s later inside Ray with a traceback; a test bind catches both at once."""
+    fails only ~10 s later inside Ray with a traceback; a test bind and listen catch both at once. The test socket
+    sets SO_REUSEADDR, as the real listeners do: the connections of a server stopped a moment ago (TIME_WAIT, ~60 s)
+    do not make its port busy."""
     import socket
 
     if not owns_local_ray(a.address or os.environ.get("RAY_ADDRESS")):
@@ -117,7 +119,9 @@ def _port_problem(a) -> str | None:
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
             with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((host, port))
+                s.listen(1)
         except OSError as e:
             return f"{flag}={port}: cannot listen on {host}:{port} ({e.strerror or e}); choose another port"
     return None

@@ -97,6 +97,33 @@ def test_a_busy_port_exits_2_before_ray(tiny_model_dir, capsys, monkeypatch, fla
     assert ray.is_initialized() == was_up  # refused before Ray
 
 
+def test_a_port_left_in_time_wait_by_a_stopped_server_is_not_busy(monkeypatch):
+    """Restarting `moeray serve` right after Ctrl-C: its port only has connections in TIME_WAIT (the server closed
+    them first), which the real listeners bind over (SO_REUSEADDR); the pre-check must not call it busy (it did:
+    "Address already in use" for ~60 s)."""
+    import argparse
+    import socket
+
+    from moeray.cli_serve import _port_problem
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+        cli = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server side closes first: its (port, peer) pair stays in TIME_WAIT
+        cli.recv(1)
+        cli.close()
+    with pytest.raises(OSError):  # a plain bind still fails: the situation the helper hit
+        with socket.socket() as plain:
+            plain.bind(("127.0.0.1", port))
+    a = argparse.Namespace(address=None, host="127.0.0.1", http_port=port, grpc_port=0, grpc_proxy=False)
+    assert _port_problem(a) is None
+
+
 def test_request_timeout_reaches_the_grpc_only_server(tiny_model_dir, monkeypatch):
     """`--request-timeout-s` reaches the gRPC server `--http-port 0` runs in this process, not only HTTP (the Serve
     replica gets it through `ServeAppArgs.request_timeout_s`)."""
