@@ -29,7 +29,9 @@ far more than the compute it could hide behind (on one node the collective costs
 Waiting (kernels/csrc/shm_a2a.c, when the compiled kernels run). The copies, the publish and the wait are
 two C calls per collective (`moeray_shm_a2a_send`, `_recv`; ctypes releases the GIL). A waiting rank spins
 (`pause`) for `SPIN_S` (30 us), or `STEP_SPIN_S` (500 us) for a call made within a step, where the peer computes
-the same step and usually arrives within that (sleeping and being woken costs ~40 us on a small VM), then sleeps in
+the same step and usually arrives within that (sleeping and being woken costs ~40 us on a small VM), calling
+sched_yield every `YIELD_S` (50 us) meanwhile so that a thread the kernel queued on the waiting rank's core (the
+front door's, typically) runs now rather than preempting the rank that computes, then sleeps in
 futex(2) FUTEX_WAIT on the low 32 bits of the peer's counter, after announcing itself in that counter line's
 sleeper count; a publisher makes the FUTEX_WAKE system call only when the count is nonzero, so the fast path
 makes none. Store then fence then load on both sides (seq_cst atomics: x86-64 `xchg` / `lock xadd`) means
@@ -76,6 +78,9 @@ SPIN_S = float(os.environ.get("MOERAY_SHM_SPIN_S", "0.00003"))
 # is computing the same step and arrives within it: a futex wake-up costs ~40 us on a 2-vCPU KVM guest, more than
 # most waits (2 ranks through HTTP, 64 streams: 0.70-0.78x -> 0.79-0.87x of 1 rank, BENCHMARKS.md)
 STEP_SPIN_S = float(os.environ.get("MOERAY_SHM_STEP_SPIN_S", "0.0005"))
+# while spinning, sched_yield this often: a front-door thread woken onto the waiting rank's core runs at once instead
+# of preempting the rank that computes (2 ranks, 64 streams, 4 alternating runs: 0.66-0.83x -> 0.77-0.93x of 1 rank)
+YIELD_S = float(os.environ.get("MOERAY_SHM_YIELD_S", "0.00005"))
 # the Python polling path (no compiled kernels): sched_yield this long, then sleep between polls
 POLL_SPIN_S = float(os.environ.get("MOERAY_SHM_POLL_SPIN_S", "0.002"))
 MAX_SLEEP_S = float(os.environ.get("MOERAY_SHM_MAX_SLEEP_S", "0.001"))
@@ -154,7 +159,7 @@ class ShmAllToAll:
         # (send, recv) in C, or None: Python copies and polling
         self._c = shm_a2a_entry_points() if platform.machine().lower() in ("x86_64", "amd64") else None
         self._spin_ns, self._slice_ns = int(SPIN_S * 1e9), int(LIVENESS_S * 1e9)
-        self._step_spin_ns = int(STEP_SPIN_S * 1e9)
+        self._step_spin_ns, self._yield_ns = int(STEP_SPIN_S * 1e9), int(YIELD_S * 1e9)
         self._calls = 0
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
@@ -269,10 +274,10 @@ class ShmAllToAll:
         args = (self._base, LINE, self.world, self.rank, self.slot_bytes, self._calls)
         send(*args, inp.data_ptr(), out.data_ptr(), nb)
         t0 = time.perf_counter()
-        s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns)
+        s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns, self._yield_ns)
         while s >= 0:  # a peer did not arrive within LIVENESS_S: is it alive, are we past the timeout?
             self._check(s, time.perf_counter() - t0)
-            s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns)
+            s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns, self._yield_ns)
         self.wait_s += time.perf_counter() - t0
 
     def _check(self, s: int, waited: float) -> None:

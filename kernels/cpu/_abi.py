@@ -148,7 +148,7 @@ SIGNATURES = {
     "moeray_pack_codes_var": ([_P, _L, _L, _L, _P, _L, _P], None),
     "moeray_unpack_codes_var": ([_P, _L, _L, _L, _P, _L, _P], None),
     "moeray_shm_a2a_send": ([_P, _L, _L, _L, _L, _L, _P, _P, _L], None),
-    "moeray_shm_a2a_recv": ([_P, _L, _L, _L, _L, _L, _P, _L, _L, _L], _L),
+    "moeray_shm_a2a_recv": ([_P, _L, _L, _L, _L, _L, _P, _L, _L, _L, _L], _L),
 }
 
 F32 = torch.float32

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #include <immintrin.h>
@@ -45,11 +46,13 @@ void moeray_shm_a2a_send(char *base, long line, long W, long r, long slot_bytes,
         syscall(SYS_futex, (uint32_t *)counter(base, line, r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 }
 
-/* Until counter[s] >= target: 1 when it is, 0 when wait_ns passed first (spinning the first spin_ns). */
-static int wait_for(char *base, long line, long s, int64_t target, long spin_ns, long deadline_ns) {
+/* Until counter[s] >= target: 1 when it is, 0 when wait_ns passed first (spinning the first spin_ns, with a
+   sched_yield every yield_ns when that is > 0: another task queued on this core runs now, not at the next tick). */
+static int wait_for(char *base, long line, long s, int64_t target, long spin_ns, long deadline_ns, long yield_ns) {
     int64_t *c = counter(base, line, s);
     if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= target) return 1;
     const long t0 = now_ns();
+    long last_yield = t0;
     for (;;) {
         for (int i = 0; i < 32; i++) {
             _mm_pause();
@@ -57,6 +60,10 @@ static int wait_for(char *base, long line, long s, int64_t target, long spin_ns,
         }
         const long t = now_ns();
         if (t - t0 >= spin_ns || t >= deadline_ns) break;
+        if (yield_ns > 0 && t - last_yield >= yield_ns) {  /* a task queued on this core runs now, not at the tick */
+            sched_yield();
+            last_yield = t;
+        }
     }
     int32_t *z = sleepers(base, line, s);
     __atomic_fetch_add(z, 1, __ATOMIC_SEQ_CST);
@@ -78,11 +85,11 @@ static int wait_for(char *base, long line, long s, int64_t target, long spin_ns,
    (the caller checks the peer's liveness and its timeout, then calls again: chunks already copied are copied
    again, which is safe, since no peer overwrites bank call % 2 before this rank publishes call + 2). */
 long moeray_shm_a2a_recv(char *base, long line, long W, long r, long slot_bytes, long call, char *out, long nb,
-                         long spin_ns, long wait_ns) {
+                         long spin_ns, long wait_ns, long yield_ns) {
     const long bank = call & 1, deadline = now_ns() + wait_ns;
     for (long s = 0; s < W; s++) {
         if (s == r) continue;
-        if (!wait_for(base, line, s, (int64_t)(call + 1), spin_ns, deadline)) return s;
+        if (!wait_for(base, line, s, (int64_t)(call + 1), spin_ns, deadline, yield_ns)) return s;
         memcpy(out + s * nb, slot(base, line, W, slot_bytes, bank, s, r), (size_t)nb);
     }
     return -1;

@@ -328,3 +328,50 @@ def test_a_call_within_a_step_spins_longer_before_sleeping():
         b.close()
         from actors.rank.shm_segment import unlink
         unlink(name, tracked=True)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the spin-then-futex wait is the compiled path's")
+def test_a_spinning_rank_yields_its_core_to_a_thread_queued_there():
+    """While it spins within a step, a waiting rank calls sched_yield every `YIELD_S`: a thread sharing its core (the
+    front door's, on a busy node) gets the core at once instead of one scheduler slice in two. Both threads pinned
+    to one CPU; the peer arrives when the other thread has done its 40 ms of work."""
+    import threading
+
+    name = f"moeray_test_y{os.getpid()}"
+    a = ShmAllToAll(0, 2, name, 4096, 10.0, [os.getpid()] * 2, create=True)
+    b = ShmAllToAll(1, 2, name, 4096, 10.0, [os.getpid()] * 2)
+    cpu = min(os.sched_getaffinity(0))
+    took = {}
+    try:
+        a._step_spin_ns = 2_000_000_000  # spin through the whole test
+        for yield_ns in (0, 50_000):
+            a._yield_ns = yield_ns
+            started = threading.Event()
+
+            def work_then_arrive():
+                os.sched_setaffinity(0, {cpu})
+                started.wait()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                while time.thread_time() - c0 < 0.04:  # 40 ms of CPU (the GIL is free: the spinner is in C)
+                    pass
+                took[yield_ns] = time.perf_counter() - t0
+                b.all_to_all_single(torch.empty(2), torch.tensor([2.0, 3.0]), within_step=True)
+
+            t = threading.Thread(target=work_then_arrive)
+            t.start()
+
+            def spin():
+                os.sched_setaffinity(0, {cpu})
+                started.set()
+                a.all_to_all_single(torch.empty(2), torch.tensor([0.0, 1.0]), within_step=True)
+
+            s = threading.Thread(target=spin)
+            s.start()
+            s.join()
+            t.join()
+    finally:
+        a.close()
+        b.close()
+        from actors.rank.shm_segment import unlink
+        unlink(name, tracked=True)
+    assert took[50_000] < 0.8 * took[0], took  # yielding: ~all of the core; spinning alone: about half of it
