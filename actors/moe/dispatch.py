@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from actors.moe.exchange import (AgreedCapacityExchange, CountsExchange, DispatchHandle, FixedCapacityExchange,
-                                 LocalExchange)
+                                 LocalExchange, weigh_pairs)
 from actors.moe.experts import ExpertRows, Experts
 from actors.moe.placement import ExpertPlacement, water_fill
 from actors.moe.split_dispatch import SplitDispatchMixin
@@ -246,7 +246,7 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
             got = exchange.send_ids(x_TD, topk_ids_TK, self.rank_of[layer], self.local_of[layer], self._sent[layer],
                                     capacity)
             if got is not None:
-                return got[0], DispatchHandle(exchange, got[1], T, K, direct=True)
+                return got[0], DispatchHandle(exchange, got[1], T, K)
         tok_V, dest_V, local_V, keep_V = self._pairs(layer, x_TD, topk_ids_TK, may_pad)
         rows, state = exchange.send(x_TD, tok_V, dest_V, local_V, self._sent[layer], capacity)
         return rows, DispatchHandle(exchange, state, T, K, keep_V)
@@ -289,8 +289,8 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
     def combine(self, y_RD, handle, topk_w_TK):
         if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
             return y_RD
-        if handle.direct:  # `send_ids`: results gathered and weighed in one call
-            return handle.exchange.receive_weighed(y_RD, handle.state, topk_w_TK).to(y_RD.dtype)
+        if handle.exchange is self._fixed and handle.keep_V is None:  # gathered and weighed in one call
+            return self._fixed.receive_weighed(y_RD, handle.state, topk_w_TK)
         return self._weigh(handle.exchange.receive(y_RD, handle.state), handle, topk_w_TK)
 
     def _weigh(self, y_V: torch.Tensor, handle: DispatchHandle, topk_w_TK: torch.Tensor) -> torch.Tensor:
@@ -301,5 +301,4 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
             y_P[handle.keep_V] = y_V
         else:
             y_P = y_V
-        y_P = y_P * topk_w_TK.reshape(-1, 1).to(y_P.dtype)
-        return y_P.view(T, K, D).sum(dim=1)
+        return weigh_pairs(y_P, topk_w_TK)

@@ -41,16 +41,21 @@ class Exchange(ABC):
 @dataclass(slots=True)
 class DispatchHandle:
     """What `combine` needs to bring a layer's results back: the exchange that sent the rows (None: the one-token
-    path, nothing to bring back) and its state, the pair shape (T, K), where the valid pairs sit among the
-    T*K when some ids were padding (keep_V; None: all valid), and whether the rows were packed straight from the
-    router's ids (`direct`: `FixedCapacityExchange.send_ids`, brought back by `receive_weighed`)."""
+    path, nothing to bring back) and its state, the pair shape (T, K), and where the valid pairs sit among the
+    T*K when some ids were padding (keep_V; None: all valid)."""
 
     exchange: Exchange | None
     state: Any
     T: int
     K: int
     keep_V: torch.Tensor | None = None
-    direct: bool = False
+
+
+def weigh_pairs(y_P: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """Every (t, k) pair's result [T * K, D], in (t, k) order -> out [T, D] = sum_k w[t, k] * y_P[t * K + k], in
+    y_P's dtype (the PyTorch form of `kernels.cpu.weigh_rows`)."""
+    T, K = w_TK.shape
+    return (y_P * w_TK.reshape(-1, 1).to(y_P.dtype)).view(T, K, y_P.shape[1]).sum(dim=1)
 
 
 class LocalExchange(Exchange):
@@ -146,7 +151,7 @@ class FixedCapacityExchange(Exchange):
                 send[slot_V, D] = local_V.to(dt)
             recv = torch.empty_like(send)
             self.a2a(recv, send, None, None)
-            x_R, lid_R = recv[:, :D], recv[:, D].to(torch.int64)
+            return self._rows(recv, D), slot_V
         else:
             send = torch.zeros(W * C, D, dtype=dt, device=dev)
             send[slot_V] = x_TD[tok_V]
@@ -157,6 +162,12 @@ class FixedCapacityExchange(Exchange):
             self.a2a(lid_R, lid, None, None)
         # run_padded (LocalExperts): one call, no host sync on the padding
         return ExpertRows(x_R, lid_R, kind="padded"), slot_V
+
+    @staticmethod
+    def _rows(recv: torch.Tensor, D: int) -> ExpertRows:
+        """The rows a received fp32 buffer [W * C, D + 1] holds for this rank's experts (ids in the last column, -1
+        on padding: `run_padded` skips them in one call, no host sync)."""
+        return ExpertRows(recv[:, :D], recv[:, D].to(torch.int64), kind="padded")
 
     def receive(self, y_RD, state):
         y_S = torch.empty_like(y_RD)
@@ -177,19 +188,16 @@ class FixedCapacityExchange(Exchange):
         sent_W += counts
         recv = torch.empty_like(send)
         self.a2a(recv, send, None, None)
-        D = x_TD.shape[1]
-        return ExpertRows(recv[:, :D], recv[:, D].to(torch.int64), kind="padded"), slot_TK
+        return self._rows(recv, x_TD.shape[1]), slot_TK
 
     def receive_weighed(self, y_RD: torch.Tensor, slot_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """`send_ids`'s results back and weighed: out [T, D] = sum_k w[t, k] * y_pair[t, k] (one compiled call
-        after the collective; PyTorch ops if it cannot run)."""
+        """`receive` and the weighted sum at once, for a step without padding ids (the state of `send` or `send_ids`
+        is then the slot of every (t, k) pair [T * K]): out [T, D] = sum_k w[t, k] * y_pair[t, k] in y's dtype (one
+        compiled call after the collective for fp32; `weigh_pairs` otherwise)."""
         y_S = torch.empty_like(y_RD)
         self.a2a(y_S, y_RD.contiguous(), None, None)
         out = weigh_rows(y_S, slot_TK, w_TK)
-        if out is None:
-            T, K = w_TK.shape
-            out = (y_S[slot_TK] * w_TK.reshape(-1, 1).to(y_S.dtype)).view(T, K, -1).sum(dim=1)
-        return out
+        return weigh_pairs(y_S[slot_TK], w_TK) if out is None else out
 
     def post_send(self, x_TD: torch.Tensor, tok_V: torch.Tensor, dest_V: torch.Tensor, local_V: torch.Tensor,
                   sent_W: torch.Tensor, capacity: int) -> tuple:
@@ -218,10 +226,8 @@ class FixedCapacityExchange(Exchange):
         token, recv, slot_V, D = pending
         self.wait(token)
         if recv.dtype == torch.float32:
-            x_R, lid_R = recv[:, :D], recv[:, D].to(torch.int64)
-        else:
-            x_R, lid_R = recv[:, :D], recv[:, D:].contiguous().view(torch.int64).view(-1)
-        return ExpertRows(x_R, lid_R, kind="padded"), slot_V
+            return self._rows(recv, D), slot_V
+        return ExpertRows(recv[:, :D], recv[:, D:].contiguous().view(torch.int64).view(-1), kind="padded"), slot_V
 
     def post_receive(self, y_RD: torch.Tensor, state: Any) -> tuple:
         """`receive` up to its collective, left in flight: y_RD [W * C, D], the experts' results (contiguous)."""

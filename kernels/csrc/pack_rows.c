@@ -1,6 +1,23 @@
 /* The fixed-capacity all-to-all dispatch's send buffer: (token, expert) pairs packed into per-rank rows. */
 #include "common.h"
 
+/* Place one pair (token row src for local expert `local` on rank r) in the next free row of rank r's C rows of send
+   [W * C, D + 1]: its slot, or -1 if rank r already has C pairs or r is outside [0, W). */
+static long place(const float *src, long D, long local, long r, long W, long C, float *send, long *counts) {
+    if (r < 0 || r >= W || counts[r] >= C) return -1;
+    const long row = r * C + counts[r]++;
+    float *dst = send + row * (D + 1);
+    for (long d = 0; d < D; d++) dst[d] = src[d];
+    dst[D] = (float)local;
+    return row;
+}
+
+/* -1 in the id column of every row past each rank's pairs (receivers skip those rows). */
+static void mark_padding(long D, long W, long C, float *send, const long *counts) {
+    for (long r = 0; r < W; r++)
+        for (long j = counts[r]; j < C; j++) send[(r * C + j) * (D + 1) + D] = -1.0f;
+}
+
 /* Pair v (token tok[v] for local expert local[v] on rank dest[v]) goes to row dest[v] * C + j of send
    [W * C, D + 1], j = its rank among the pairs for that rank (stable); column D carries the local id as fp32,
    -1 on padding rows (whose other columns are left as they are: receivers skip them).  slot[v] = the row,
@@ -8,18 +25,9 @@
 static long pack_rows(const float *x, long D, const long *tok, const long *dest, const long *local, long V,
                       long W, long C, float *send, long *slot, long *counts) {
     for (long r = 0; r < W; r++) counts[r] = 0;
-    for (long v = 0; v < V; v++) {
-        const long r = dest[v];
-        if (r < 0 || r >= W || counts[r] >= C) return -1;
-        const long row = r * C + counts[r]++;
-        slot[v] = row;
-        float *dst = send + row * (D + 1);
-        const float *src = x + tok[v] * D;
-        for (long d = 0; d < D; d++) dst[d] = src[d];
-        dst[D] = (float)local[v];
-    }
-    for (long r = 0; r < W; r++)
-        for (long j = counts[r]; j < C; j++) send[(r * C + j) * (D + 1) + D] = -1.0f;
+    for (long v = 0; v < V; v++)
+        if ((slot[v] = place(x + tok[v] * D, D, local[v], dest[v], W, C, send, counts)) < 0) return -1;
+    mark_padding(D, W, C, send, counts);
     return 0;
 }
 
@@ -41,22 +49,15 @@ typedef struct {
 } moeray_pack_ids_args;
 
 long moeray_pack_ids(const moeray_pack_ids_args *a) {
-    const long D = a->D, K = a->K, V = a->T * a->K, W = a->W, C = a->C;
-    for (long r = 0; r < W; r++) a->counts[r] = 0;
+    const long D = a->D, K = a->K, V = a->T * a->K;
+    for (long r = 0; r < a->W; r++) a->counts[r] = 0;
     for (long v = 0; v < V; v++) {
         const long e = a->ids[v];
         if (e < 0 || e >= a->E) return -2;
-        const long r = a->rank_of[e];
-        if (r < 0 || r >= W || a->counts[r] >= C) return -1;
-        const long row = r * C + a->counts[r]++;
-        a->slot[v] = row;
-        float *dst = a->send + row * (D + 1);
-        const float *src = a->x + (v / K) * D;
-        for (long d = 0; d < D; d++) dst[d] = src[d];
-        dst[D] = (float)a->local_of[e];
+        a->slot[v] = place(a->x + (v / K) * D, D, a->local_of[e], a->rank_of[e], a->W, a->C, a->send, a->counts);
+        if (a->slot[v] < 0) return -1;
     }
-    for (long r = 0; r < W; r++)
-        for (long j = a->counts[r]; j < C; j++) a->send[(r * C + j) * (D + 1) + D] = -1.0f;
+    mark_padding(D, a->W, a->C, a->send, a->counts);
     return 0;
 }
 
