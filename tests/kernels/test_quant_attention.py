@@ -83,3 +83,25 @@ def test_engine_decode_with_quantized_cache_runs_the_kernel(tmp_path, monkeypatc
     assert calls
     monkeypatch.setattr(quant_attention, "quant_decode_attention", lambda *a, **k: None)  # the reference runs
     assert greedy() == fast
+
+
+@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("d", [24, 32, 128])
+def test_every_dequantization_path_matches_reference(isa, d):
+    """The kernel's three ways to unpack a token: per element (D % 16 != 0: d=24), 8 channels a gather (AVX2, or
+    D % 32 != 0) and 16 channels a byte permute (AVX-512 with VBMI; at d=128 the key rows exceed 64 bytes, so two
+    registers): each equals the reference, keys with per-channel widths up to 8 bits and fixed-width codebooks."""
+    from kernels.cpu import _build
+
+    energy = (4.0 ** torch.linspace(0, 7, d)).repeat(2, 1)
+    prev = _build.set_isa(isa)
+    try:
+        for kw in (dict(bits=3, k_channel_bits=5 * d, query_energy=energy, n_outlier=0), dict(bits=4, n_outlier=2)):
+            args, kwargs, _, _ = _case(ctx_lens=[7, 13, 4], sink_lens=[2, 1, 2], tail_lens=[3, 0, 1], d=d,
+                                       n_outlier_v=1, seed=d + isa, **kw)
+            if "k_channel_bits" in kw:
+                assert args[1].k_codes.shape[-1] == 5 * d // 8 and int(args[4].k_bits.max()) > 4
+            out = quant_decode_attention(*args, **kwargs)
+            torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
+    finally:
+        _build.set_isa(prev)
