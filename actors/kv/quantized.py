@@ -24,7 +24,7 @@ page's token count and the codebooks are compile-time or per-launch constants of
 widths inside one launch would need per-program code paths and were not worth it for at most a few groups.
 
 The cache in parts: this module holds the storage (one uint8 page arena and the full-precision staging rows
-per layer) and the per-layer write / seal / attend; the page layout and size arithmetic are
+per layer) and the per-layer write / seal / attend; decode attention actors/kv/quantized_decode.py, the page layout and size arithmetic are
 actors/kv/quantized_layout.py, the sequences, pool budget and step plan actors/kv/quantized_sequences.py, the
 page tables actors/kv/page_tables.py, the build from an EngineConfig actors/kv/builder.py.
 
@@ -42,19 +42,12 @@ from actors.kv.page_tables import SequencePageTables
 from actors.kv.pool import MixedWidthPagePool
 from actors.kv.profile_choice import AUTO
 from actors.kv.profiles import ModelKVProfile
+from actors.kv.quantized_decode import QuantizedDecode
 from actors.kv.quantized_layout import PAGE_ALIGN, QuantizedKVSizes, arena_views, layer_page_bytes, layout_key
 from actors.kv.quantized_sequences import QuantizedKVSequences, SequenceAllocator, SequenceState
 from kernels.cpu.attention import mixed_prefill_attention
 from kernels.kv_quant import dequantize_keys, dequantize_values, quantize_kv
 from kernels.rope import apply_rope, rope_tables
-
-
-def _rope_rows(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE with a position per (sequence, row): x [B, S, H, D], cos/sin [B, S, D] -> fp32."""
-    x = x_BSHD.float()
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos_BSD[..., None, :] + rot * sin_BSD[..., None, :]
 
 
 def mixed_causal_attention(q_nHD: torch.Tensor, k_fp_CHD: torch.Tensor, v_fp_CHD: torch.Tensor,
@@ -96,7 +89,7 @@ def mixed_causal_attention(q_nHD: torch.Tensor, k_fp_CHD: torch.Tensor, v_fp_CHD
     return o.transpose(0, 1)
 
 
-class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
+class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, QuantizedDecode, KVCache):
     """Paged KV cache with sub-4-bit quantized pages of mixed widths, a full-precision sink and unsealed tail.
 
     Args:
@@ -191,6 +184,8 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
         else:  # the compiled CPU kernel where it runs (kernels/csrc/quant_decode_attention.c), else the reference
             from kernels.cpu.quant_attention import quant_decode_attention_or_ref as attn
         self._decode_attention = attn
+        # decode reads the staging rows in place where the compiled kernel runs (`_decode_staged`)
+        self._staged_kernel = backend != "triton" and dtype == torch.float32 and torch.device(device).type == "cpu"
 
     # ------------------------------------------------------------------ sizes and accounting
     @property
@@ -270,29 +265,6 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, KVCache):
                                                  v_THD[start:start + n], ctx, st, q_old, q_new, seal_at, read_at,
                                                  scale).to(out.dtype)
         return out
-
-    def _decode(self, layer, q_THD, k_THD, v_THD, plan, scale, out) -> None:
-        ns = self.sink_tokens
-        sk, sv = self.stage_k[layer], self.stage_v[layer]
-        tok, slot = plan["tok"], plan["slot"]
-        sk[slot, plan["row"]] = k_THD[tok].to(sk.dtype)
-        sv[slot, plan["row"]] = v_THD[tok].to(sv.dtype)
-        for name, (slots, rows, pages, pslots) in plan["seals"].items():
-            self._seal(layer, name, sk[slots, rows], sv[slots, rows], pages, pslots)
-        rows = plan["tail_rows"]
-        tail_k = _rope_rows(sk[slot[:, None], rows], plan["tail_cos"], plan["tail_sin"])  # [B, S, H, D]
-        tail_v = sv[slot[:, None], rows].float()
-        kw = {}
-        for name, ix in plan["groups"].items():
-            if ns:
-                sink_k = apply_rope(sk[slot[ix], :ns], self.cos[:ns], self.sin[:ns])  # [b, Ns, H, D]
-                kw = dict(sink_k=sink_k.contiguous(), sink_v=sv[slot[ix], :ns].float().contiguous(),
-                          sink_lens=plan["sink_lens"][ix])
-            o = self._decode_attention(
-                q_THD[tok[ix]].float(), self.views[self._key[name]][layer], plan["page_tables"][ix],
-                plan["context_lens"][ix], self.profiles[name].layers[layer], self.cos, self.sin, scale,
-                tail_k=tail_k[ix].contiguous(), tail_v=tail_v[ix].contiguous(), tail_lens=plan["tail_lens"][ix], **kw)
-            out[tok[ix]] = o.to(out.dtype)
 
     def _seal(self, layer: int, profile: str, k_nHD: torch.Tensor, v_nHD: torch.Tensor, pages_n: torch.Tensor,
               slots_n: torch.Tensor) -> None:

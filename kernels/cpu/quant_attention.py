@@ -9,6 +9,7 @@ rounding (tests/kernels/test_quant_attention.py). Returns None when it cannot ru
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -57,8 +58,11 @@ def _page_strides(pages: KVPages) -> list[int] | None:
 def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            profile: KVQuantProfile, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
                            sink_k=None, sink_v=None, sink_lens=None, tail_k=None, tail_v=None,
-                           tail_lens=None) -> torch.Tensor | None:
+                           tail_lens=None, staged=None) -> torch.Tensor | None:
     """`paged_decode_attention_ref` (same arguments, same result up to fp32 rounding) in one compiled call.
+
+    staged: instead of sink_k / sink_v / tail_k / tail_v, the cache's staging rows as they lie (no gather, no
+        RoPE pass, no copy per layer: `staged_rows` says what they hold), with sink_lens and tail_lens [B].
 
     Returns:
         [B, Hq, D] in q.dtype, or None when the kernel cannot run (no compiled kernels, tensors off the CPU, page
@@ -69,13 +73,25 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
     lib = _build.lib()
     if lib is None or q.device.type != "cpu":
         return None
+    if staged is not None and (sink_k is not None or tail_k is not None):
+        raise ValueError("staged rows replace sink_k / sink_v / tail_k / tail_v: give one or the other")
     b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin,
-                            sink_k, sink_v, sink_lens, tail_k, tail_v, tail_lens)
+                            sink_k, sink_v, None if staged else sink_lens, tail_k, tail_v, None if staged else tail_lens)
     strides = _page_strides(pages)
     if strides is None:
         return None
     ctx = context_lens.to(torch.int64).contiguous()
     sk = sv = sl = tk = tv = tl = None
+    st = None
+    if staged is not None:
+        st = staged.check(b, h, d)
+        if st is None:
+            return None
+        sl, tl = sink_lens.to(torch.int64).contiguous(), tail_lens.to(torch.int64).contiguous()
+        end = ctx + sl + tl
+        if b and bool(((end > 0) & (end > cos.shape[0])).any()):
+            i = int(((end > 0) & (end > cos.shape[0])).nonzero()[0])
+            raise ValueError(f"sequence {i}: position {int(end[i]) - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     if sink_k is not None:
         sk, sv = sink_k.float().contiguous(), sink_v.float().contiguous()
         sl = (sink_lens.to(torch.int64) if sink_lens is not None
@@ -99,17 +115,48 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
     rc = lib.moeray_quant_decode_attention(ctypes.byref(QuantDecodeArgs(
         qf.data_ptr(), pages.k_codes.data_ptr(), pages.v_codes.data_ptr(), pages.v_scale.data_ptr(),
         pages.k_outliers.data_ptr(), pages.v_outliers.data_ptr(), *strides, bt.data_ptr(), bt.shape[1], ctx.data_ptr(),
-        cf.data_ptr(), sf.data_ptr(), ptr(sk), ptr(sv), ptr(sl), 0 if sk is None else sk.shape[1], ptr(tk), ptr(tv),
+        cf.data_ptr(), sf.data_ptr(), ptr(sk), ptr(sv), ptr(sl),
+        staged.sink_rows if st is not None else 0 if sk is None else sk.shape[1], ptr(tk), ptr(tv),
         ptr(tl), 0 if tk is None else tk.shape[1], k_scale.data_ptr(), k_zero.data_ptr(), v_zero.data_ptr(),
         k_cb.data_ptr(), v_cb.data_ptr(), kw.data_ptr(), grid, profile.bits, pages.k_codes.shape[-1],
         pages.v_codes.shape[-1], k_oidx.data_ptr(), v_oidx.data_ptr(), k_oidx.shape[1], v_oidx.shape[1],
         out.data_ptr(), b, hq, h, d, pages.block_size, scale,
-        value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)))
+        value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None,
+        *((None, None, None, 0, 1) if st is None else st))))
     if rc == -3:
         return None
     if rc:
         raise MemoryError("quant_decode_attention: no scratch for the dequantized rows")
     return out.to(q.dtype)
+
+
+@dataclass
+class StagedRows:
+    """The quantized cache's full-precision staging rows of one layer, read in place by `quant_decode_attention`.
+
+    k / v: [slots, Ns + S, H, D] (keys before RoPE); slots [B] int64: each sequence's slot. A sequence's sink is
+    rows 0 .. sink_lens[b] - 1 (positions 0 ..), its tail of tail_lens[b] tokens rows sink_rows + ctx[b] % S ..
+    (positions sink_lens[b] + ctx[b] ..); sink_rows: the cache's sink tokens Ns; block_size: its logical block S
+    (the rows' block, not the pages' token count)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slots: torch.Tensor
+    sink_rows: int
+    block_size: int
+
+    def check(self, b: int, h: int, d: int) -> tuple | None:
+        """(k, v, slots, rows) pointers for the kernel, or None when it cannot read them in place (not fp32
+        contiguous on the CPU). Raises ValueError on shapes that do not fit."""
+        k, v = self.k, self.v
+        if k.dim() != 4 or k.shape != v.shape or tuple(k.shape[2:]) != (h, d) or self.slots.shape != (b,):
+            raise ValueError(f"staged rows k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(self.slots.shape)}: "
+                             f"need [slots, rows, H={h}, D={d}] twice and [B={b}]")
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()) or (
+                k.device.type != "cpu"):
+            return None
+        self._slots = self.slots.to(torch.int64).contiguous()  # kept alive for the call
+        return k.data_ptr(), v.data_ptr(), self._slots.data_ptr(), k.shape[1], self.block_size
 
 
 def quant_decode_attention_or_ref(*args, **kwargs) -> torch.Tensor:

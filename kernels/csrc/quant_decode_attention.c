@@ -34,7 +34,21 @@ typedef struct {
     const float *k_scale, *k_zero, *v_zero, *k_cb, *v_cb; const long *kw; long k_grid, vbits, Pk, P;
     const long *k_oidx, *v_oidx; long Ok, Ov; float *out; long B, Hq, H, D, S; float scale;
     const float *vs_lut;  /* NULL: v_scale is fp16; else v_scale is uint8 codes and vs_lut[256] their scales */
+    /* The cache's staging rows instead of sk / sv / tk / tv (NULL: absent): stk / stv [slots, srows, H, D] fp32,
+       keys before RoPE; sequence b's rows are slot sslot[b]: its sink at rows 0 .. slen[b] - 1 (positions 0 ..),
+       its tail of tlen[b] tokens at rows ns + ctx[b] % sbs ... (positions slen[b] + ctx[b] ..; ns: the cache's sink
+       rows, sbs: its logical block size, not the page's S), rotated here. */
+    const float *stk, *stv; const long *sslot; long srows, sbs;
 } moeray_quant_decode_args;
+
+/* out [H, D] = x [H, D] rotated (rotate-half RoPE) by the table rows cs / sn [D] of its position. */
+static void rope_row(const float *x, const float *cs, const float *sn, long H, long D, float *out) {
+    const long half = D / 2;
+    for (long h = 0; h < H; h++, x += D, out += D) {
+        for (long d = 0; d < half; d++) out[d] = x[d] * cs[d] - x[d + half] * sn[d];
+        for (long d = half; d < D; d++) out[d] = x[d] * cs[d] + x[d - half] * sn[d];
+    }
+}
 
 /* Where channel d's code of a packed row sits: byte `at`, bit `sh` (LSB first), `w` bits (< 2 bytes, since w <= 8). */
 struct code_at { int32_t at, sh, w; };
@@ -83,11 +97,11 @@ static void dequant_token(const moeray_quant_decode_args *a, const float *kfac, 
    into buffers with 4 readable zero bytes past their end, so no lane reads past a page.  Same arithmetic per
    element as `dequant_token` (the FMAs contract the same products), so the two agree up to fp32 rounding.
    Needs D % 16 == 0 (RoPE's halves in whole vectors). */
-typedef struct {
+struct code_lanes {
     const int32_t *kat, *ksh, *kmask;  /* [H * D]: each key channel's byte, bit and mask in its row */
     const int32_t *vat, *vsh;          /* [D]: each value channel's byte and bit; vmask the codes' mask */
     int32_t vmask;
-} code_lanes;
+};
 
 static inline __m256i codes8(const uint8_t *buf, __m256i at, __m256i sh, __m256i mask) {
     return _mm256_and_si256(_mm256_srlv_epi32(_mm256_i32gather_epi32((const int *)buf, at, 1), sh), mask);
@@ -102,7 +116,7 @@ static inline __m256 levels8(const float *cb, long ncb, __m256 lo, __m256 hi, __
     return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(c, _mm256_set1_epi32(7))));
 }
 
-static void dequant_token8(const moeray_quant_decode_args *a, const float *kfac, const code_lanes *cl, long nkcb,
+static void dequant_token8(const moeray_quant_decode_args *a, const float *kfac, const struct code_lanes *cl, long nkcb,
                            long page, long slot, long pos, float *krow, float *vrow, uint8_t *buf) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2;
     const long nvcb = 1L << a->vbits;
@@ -185,7 +199,7 @@ TVBMI static inline void load_row(const uint8_t *row, long n, __m512i *lo, __m51
     *hi = n > 64 ? _mm512_maskz_loadu_epi8(n >= 128 ? ~0ULL : (1ULL << (n - 64)) - 1, row + 64) : _mm512_setzero_si512();
 }
 
-TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float *kfac, const code_lanes *cl,
+TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float *kfac, const struct code_lanes *cl,
                                   const uint8_t *kidx, const uint8_t *vidx, long nkcb, long page, long slot, long pos,
                                   float *krow, float *vrow) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2, nvcb = 1L << a->vbits;
@@ -243,7 +257,7 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
     if (D > 1024) return -3;
     long tmax = 1;
     for (long b = 0; b < a->B; b++) {
-        const long t = (a->sk ? a->slen[b] : 0) + a->ctx[b] + (a->tk ? a->tlen[b] : 0);
+        const long t = (a->sk || a->stk ? a->slen[b] : 0) + a->ctx[b] + (a->tk || a->stk ? a->tlen[b] : 0);
         if (t > tmax) tmax = t;
     }
     /* the rows' scratch is kept per thread and only grows: a fresh 1 MB block per call (context 1,000) cost its
@@ -273,13 +287,13 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
     const int simd = D % 16 == 0;
     int32_t *lanes = simd ? (int32_t *)malloc((size_t)(3 * row + 2 * D) * sizeof(int32_t)) : NULL;
     if (simd && !lanes) { free(code); free(kat); return -1; }
-    code_lanes cl = {0};
+    struct code_lanes cl = {0};
     if (simd) {
         for (long i = 0; i < row; i++) {
             lanes[i] = kat[i].at; lanes[row + i] = kat[i].sh; lanes[2 * row + i] = (int32_t)((1u << kat[i].w) - 1);
         }
         for (long d = 0; d < D; d++) { lanes[3 * row + d] = vat[d].at; lanes[3 * row + D + d] = vat[d].sh; }
-        cl = (code_lanes){lanes, lanes + row, lanes + 2 * row, lanes + 3 * row, lanes + 3 * row + D,
+        cl = (struct code_lanes){lanes, lanes + row, lanes + 2 * row, lanes + 3 * row, lanes + 3 * row + D,
                           (int32_t)((1u << a->vbits) - 1)};
     }
     const long nkcb = 1L << a->kw[0];  /* fixed-width keys (a codebook): every width is `bits` */
@@ -293,8 +307,15 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
     long rc = 0;
     for (long b = 0; b < a->B && rc == 0; b++) {
         long t = 0;
-        const long n_sink = a->sk ? a->slen[b] : 0;
-        if (n_sink) {
+        const long n_sink = a->sk || a->stk ? a->slen[b] : 0;
+        const float *stk = a->stk ? a->stk + a->sslot[b] * a->srows * row : NULL;
+        const float *stv = a->stk ? a->stv + a->sslot[b] * a->srows * row : NULL;
+        if (n_sink && stk) {
+            for (long i = 0; i < n_sink; i++)
+                rope_row(stk + i * row, a->cosr + i * D, a->sinr + i * D, H, D, K + i * row);
+            memcpy(V, stv, (size_t)(n_sink * row) * sizeof(float));
+            t = n_sink;
+        } else if (n_sink) {
             memcpy(K, a->sk + b * a->ns * row, (size_t)(n_sink * row) * sizeof(float));
             memcpy(V, a->sv + b * a->ns * row, (size_t)(n_sink * row) * sizeof(float));
             t = n_sink;
@@ -309,8 +330,15 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
             else
                 dequant_token(a, kfac, kat, vat, page, i % a->S, n_sink + i, K + t * row, V + t * row, code);
         }
-        const long n_tail = a->tk ? a->tlen[b] : 0;
-        if (n_tail) {
+        const long n_tail = a->tk || a->stk ? a->tlen[b] : 0;
+        if (n_tail && stk) {
+            const long r0 = a->ns + a->ctx[b] % a->sbs;
+            for (long j = 0; j < n_tail; j++, t++) {
+                const long pos = n_sink + a->ctx[b] + j;
+                rope_row(stk + (r0 + j) * row, a->cosr + pos * D, a->sinr + pos * D, H, D, K + t * row);
+                memcpy(V + t * row, stv + (r0 + j) * row, (size_t)row * sizeof(float));
+            }
+        } else if (n_tail) {
             memcpy(K + t * row, a->tk + b * a->nt * row, (size_t)(n_tail * row) * sizeof(float));
             memcpy(V + t * row, a->tv + b * a->nt * row, (size_t)(n_tail * row) * sizeof(float));
             t += n_tail;

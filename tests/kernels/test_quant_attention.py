@@ -105,3 +105,43 @@ def test_every_dequantization_path_matches_reference(isa, d):
             torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
     finally:
         _build.set_isa(prev)
+
+
+@pytest.mark.parametrize("ns", [0, 2])
+def test_staged_rows_read_in_place_equal_explicit_sink_and_tail(ns):
+    """`StagedRows`: the kernel reads the cache's staging slots (pre-RoPE keys) and rotates the sink and tail rows
+    itself; the result equals passing them gathered and rotated, and the reference."""
+    from kernels.cpu.quant_attention import StagedRows
+    from kernels.rope import apply_rope
+
+    S = 8  # the rows' logical block; the pages hold 4 tokens each (a page is not a block)
+    args, _, _, _ = _case(ctx_lens=[8, 4, 0], sink_lens=[0, 0, 0], tail_lens=[0, 0, 0], bits=3, seed=5, block_size=4)
+    q, pages, bt, ctx, prof, cos, sin, scale = args
+    from kernels.rope import rope_tables
+    cos, sin = rope_tables(32, prof.head_dim)  # the sink and tail positions lie past _case's table
+    args = (q, pages, bt, ctx, prof, cos, sin, scale)
+    g = torch.Generator().manual_seed(1)
+    b, h, d = q.shape[0], prof.num_kv_heads, prof.head_dim
+    stage_k, stage_v = torch.randn(5, ns + S, h, d, generator=g), torch.randn(5, ns + S, h, d, generator=g)
+    slots = torch.tensor([3, 0, 4])
+    sink_lens = torch.tensor([ns, ns, min(ns, 1)])
+    tail_lens = torch.tensor([3, 1, 0])  # rows ns + 0, ns + 4 (ctx 4 % 8), none
+    sink_k = torch.zeros(b, max(ns, 1), h, d)
+    sink_v = torch.zeros(b, max(ns, 1), h, d)
+    tail_k, tail_v = torch.zeros(b, S, h, d), torch.zeros(b, S, h, d)
+    for i in range(b):
+        s, n, c, t = int(slots[i]), int(sink_lens[i]), int(ctx[i]), int(tail_lens[i])
+        sink_k[i, :n] = apply_rope(stage_k[s, :n], cos[:n], sin[:n])
+        sink_v[i, :n] = stage_v[s, :n]
+        rows = slice(ns + c % S, ns + c % S + t)
+        tail_k[i, :t] = apply_rope(stage_k[s, rows], cos[n + c: n + c + t], sin[n + c: n + c + t])
+        tail_v[i, :t] = stage_v[s, rows]
+    explicit = dict(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens, tail_k=tail_k, tail_v=tail_v,
+                    tail_lens=tail_lens)
+    want = paged_decode_attention_ref(*args, **explicit)
+    torch.testing.assert_close(quant_decode_attention(*args, **explicit), want, atol=2e-5, rtol=1e-5)
+    got = quant_decode_attention(*args, sink_lens=sink_lens, tail_lens=tail_lens,
+                                 staged=StagedRows(stage_k, stage_v, slots, ns, S))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one or the other"):
+        quant_decode_attention(*args, **explicit, staged=StagedRows(stage_k, stage_v, slots, ns, S))

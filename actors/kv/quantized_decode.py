@@ -1,0 +1,80 @@
+"""Decode attention of `QuantizedPagedKVCache` (actors/kv/quantized.py): the step's decode sequences, one launch per
+profile present in the batch, after their new tokens are written and the blocks they fill sealed.
+
+Two ways, same result up to fp32 rounding: where the compiled CPU kernel runs (fp32 staging on the CPU,
+`_staged_kernel`) it reads each sequence's full-precision sink and tail rows in place from the staging slots and
+rotates them itself (`kernels.cpu.quant_attention.StagedRows`); otherwise (the Triton backend, the PyTorch
+reference) the tails are gathered and rotated here first, a [B, S, H, D] copy per layer. At 64 sequences that copy
+and its RoPE pass cost ~1.2 ms a step (4 layers, shipped model), the kernel's own unpacking ~1.2 ms.
+
+The mixin reads the cache's stage_k / stage_v, sink_tokens, views / _key / profiles, cos / sin, _decode_attention,
+_staged_kernel and _seal. Shape legend as actors/kv/quantized.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import quant_attention
+from kernels.cpu.quant_attention import StagedRows
+from kernels.rope import apply_rope
+
+
+def _rope_rows(x_BSHD: torch.Tensor, cos_BSD: torch.Tensor, sin_BSD: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE with a position per (sequence, row): x [B, S, H, D], cos/sin [B, S, D] -> fp32."""
+    x = x_BSHD.float()
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos_BSD[..., None, :] + rot * sin_BSD[..., None, :]
+
+
+class QuantizedDecode:
+    """`_decode` of `QuantizedPagedKVCache` (module docstring)."""
+
+    def _decode(self, layer, q_THD, k_THD, v_THD, plan, scale, out) -> None:
+        """Write the decode tokens' K / V [T, H, D] into their staging rows, seal the blocks they fill, attend: out[tok]
+        = attention of q [T, Hq, D] (this step's plan: `QuantizedKVSequences._make_plan`)."""
+        ns = self.sink_tokens
+        sk, sv = self.stage_k[layer], self.stage_v[layer]
+        tok, slot = plan["tok"], plan["slot"]
+        sk[slot, plan["row"]] = k_THD[tok].to(sk.dtype)
+        sv[slot, plan["row"]] = v_THD[tok].to(sv.dtype)
+        for name, (slots, rows, pages, pslots) in plan["seals"].items():
+            self._seal(layer, name, sk[slots, rows], sv[slots, rows], pages, pslots)
+        if self._staged_kernel and self._decode_staged(layer, q_THD, plan, scale, out):
+            return  # the compiled kernel read the sink and tail rows where they lie
+        rows = plan["tail_rows"]
+        tail_k = _rope_rows(sk[slot[:, None], rows], plan["tail_cos"], plan["tail_sin"])  # [B, S, H, D]
+        tail_v = sv[slot[:, None], rows].float()
+        kw = {}
+        for name, ix in plan["groups"].items():
+            if ns:
+                sink_k = apply_rope(sk[slot[ix], :ns], self.cos[:ns], self.sin[:ns])  # [b, Ns, H, D]
+                kw = dict(sink_k=sink_k.contiguous(), sink_v=sv[slot[ix], :ns].float().contiguous(),
+                          sink_lens=plan["sink_lens"][ix])
+            o = self._decode_attention(
+                q_THD[tok[ix]].float(), self.views[self._key[name]][layer], plan["page_tables"][ix],
+                plan["context_lens"][ix], self.profiles[name].layers[layer], self.cos, self.sin, scale,
+                tail_k=tail_k[ix].contiguous(), tail_v=tail_v[ix].contiguous(), tail_lens=plan["tail_lens"][ix], **kw)
+            out[tok[ix]] = o.to(out.dtype)
+
+    def _decode_staged(self, layer, q_THD, plan, scale, out) -> bool:
+        """The decode sequences' attention by the compiled kernel reading this layer's staging rows in place (no
+        gather, RoPE pass or copy of every sequence's sink and tail per layer); False when it cannot run."""
+        tok, slot, outs = plan["tok"], plan["slot"], []
+        for name, ix in plan["groups"].items():
+            every = ix.numel() == tok.numel()  # one profile for the whole batch: no gathers
+
+            def pick(t):
+                return t if every else t[ix]
+            o = quant_attention.quant_decode_attention(
+                q_THD[pick(tok)].float(), self.views[self._key[name]][layer],
+                pick(plan["page_tables"]), pick(plan["context_lens"]), self.profiles[name].layers[layer], self.cos,
+                self.sin, scale, sink_lens=pick(plan["sink_lens"]), tail_lens=pick(plan["tail_lens"]),
+                staged=StagedRows(self.stage_k[layer], self.stage_v[layer], pick(slot), self.sink_tokens,
+                                  self.block_size))
+            if o is None:
+                return False
+            outs.append((pick(tok), o))
+        for t, o in outs:
+            out[t] = o.to(out.dtype)
+        return True
