@@ -50,7 +50,7 @@ class QuantDecodeArgs(ctypes.Structure):
                        "P bt, L mb, P ctx, P cosr, P sinr, P sk, P sv, "
                        "P slen, L ns, P tk, P tv, P tlen, L nt, P k_scale, P k_zero, P v_zero, P k_cb, P v_cb, P kw, "
                        "L k_grid, L vbits, L Pk, L P, P k_oidx, P v_oidx, L Ok, L Ov, P out, L B, L Hq, L H, L D, "
-                       "L S, F scale, P vs_lut, P stk, P stv, P sslot, L srows, L sbs")
+                       "L S, F scale, P vs_lut, P stk, P stv, P sslot, L srows, L sbs, L maxpos")
 
 
 class ExpertFFNArgs(ctypes.Structure):

@@ -41,8 +41,21 @@ def _tables(profile: KVQuantProfile) -> tuple:
     return t
 
 
+_PAGE_STRIDES: dict[int, tuple] = {}  # id(pages) -> (pages, its strides): a cache layer's views live as long as it
+
+
 def _page_strides(pages: KVPages) -> list[int] | None:
     """Each field's page stride (in its elements) when its inner dimensions are dense on the CPU; else None."""
+    hit = _PAGE_STRIDES.get(id(pages))
+    if hit is not None and hit[0] is pages:
+        return hit[1]
+    if len(_PAGE_STRIDES) >= 1024:
+        _PAGE_STRIDES.clear()
+    _PAGE_STRIDES[id(pages)] = (pages, _strides(pages))
+    return _PAGE_STRIDES[id(pages)][1]
+
+
+def _strides(pages: KVPages) -> list[int] | None:
     out = []
     for t in (pages.k_codes, pages.v_codes, pages.v_scale, pages.k_outliers, pages.v_outliers):
         dense, s = True, 1
@@ -88,20 +101,12 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         if st is None:
             return None
         sl, tl = sink_lens.to(torch.int64).contiguous(), tail_lens.to(torch.int64).contiguous()
-        end = ctx + sl + tl
-        if b and bool(((end > 0) & (end > cos.shape[0])).any()):
-            i = int(((end > 0) & (end > cos.shape[0])).nonzero()[0])
-            raise ValueError(f"sequence {i}: position {int(end[i]) - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     if sink_k is not None:
         sk, sv = sink_k.float().contiguous(), sink_v.float().contiguous()
         sl = (sink_lens.to(torch.int64) if sink_lens is not None
               else torch.full((b,), sk.shape[1], dtype=torch.int64)).contiguous()
     if tail_k is not None:
         tk, tv, tl = tail_k.float().contiguous(), tail_v.float().contiguous(), tail_lens.to(torch.int64).contiguous()
-    last = ctx + (sl if sl is not None else 0)
-    if b and bool(((ctx > 0) & (last > cos.shape[0])).any()):
-        i = int(((ctx > 0) & (last > cos.shape[0])).nonzero()[0])
-        raise ValueError(f"sequence {i}: position {int(last[i]) - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
     qf = q.float().contiguous()
     bt = block_tables.to(torch.int64).contiguous()
@@ -122,7 +127,11 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         pages.v_codes.shape[-1], k_oidx.data_ptr(), v_oidx.data_ptr(), k_oidx.shape[1], v_oidx.shape[1],
         out.data_ptr(), b, hq, h, d, pages.block_size, scale,
         value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None,
-        *((None, None, None, 0, 1) if st is None else st))))
+        *((None, None, None, 0, 1) if st is None else st), cos.shape[0])))
+    if rc == -4:  # a rotated position beyond the table (the kernel checks before it writes anything)
+        last = ctx + (sl if sl is not None else 0) + (tl if st is not None else 0)
+        i = int(((last > 0) & (ctx > 0 if st is None else last > 0) & (last > cos.shape[0])).nonzero()[0])
+        raise ValueError(f"sequence {i}: position {int(last[i]) - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     if rc == -3:
         return None
     if rc:

@@ -39,6 +39,7 @@ typedef struct {
        its tail of tlen[b] tokens at rows ns + ctx[b] % sbs ... (positions slen[b] + ctx[b] ..; ns: the cache's sink
        rows, sbs: its logical block size, not the page's S), rotated here. */
     const float *stk, *stv; const long *sslot; long srows, sbs;
+    long maxpos;  /* rows of cosr / sinr: every rotated position must be below it */
 } moeray_quant_decode_args;
 
 /* out [H, D] = x [H, D] rotated (rotate-half RoPE) by the table rows cs / sn [D] of its position. */
@@ -251,14 +252,16 @@ TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float
     }
 }
 
-/* 0; -1 when the scratch could not be allocated; -3 when D > 1024 (nothing written in either case). */
+/* 0; -1 when the scratch could not be allocated; -3 when D > 1024; -4 when a position to rotate (sink and quantized
+   tokens, and the staged tail) is >= maxpos (nothing written in these cases). */
 long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
     const long H = a->H, D = a->D, row = H * D;
     if (D > 1024) return -3;
     long tmax = 1;
     for (long b = 0; b < a->B; b++) {
-        const long t = (a->sk || a->stk ? a->slen[b] : 0) + a->ctx[b] + (a->tk || a->stk ? a->tlen[b] : 0);
+        const long ns = a->sk || a->stk ? a->slen[b] : 0, t = ns + a->ctx[b] + (a->tk || a->stk ? a->tlen[b] : 0);
         if (t > tmax) tmax = t;
+        if (a->stk ? t > a->maxpos : a->ctx[b] > 0 && ns + a->ctx[b] > a->maxpos) return -4;
     }
     /* the rows' scratch is kept per thread and only grows: a fresh 1 MB block per call (context 1,000) cost its
        page faults on every layer of every step */
