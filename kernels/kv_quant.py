@@ -38,6 +38,7 @@ token and head (D * bits / 8), Pk = packed key bytes, Ok / Ov = outlier channels
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -178,6 +179,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
     _check_kv(k, profile, "k")
     _check_kv(v, profile, "v")
     kf, vf = k.float(), v.float()
+    fast = _compiled_quantize(kf, vf, profile)
+    if fast is not None:
+        return fast
     k_norm = (kf - profile.k_zero) / profile.k_scale
     if profile.per_channel_keys:
         k_packed = pack_codes_var(_uniform_channel_codes(k_norm, profile.k_bits), profile.k_bits)
@@ -193,6 +197,63 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
         k_outliers=_gather_channels(kf, profile.k_outlier_idx),
         v_outliers=_gather_channels(vf, profile.v_outlier_idx),
     )
+
+
+_QUANT_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its tables as kernels/csrc/kv_quantize.c reads them)
+
+
+def _quant_tables(profile: KVQuantProfile) -> tuple:
+    """The profile's tensors for the compiled quantizer, made once per profile object: k_zero, k_scale, v_zero
+    [H, D] fp32, key widths [H, D] int64, key / value codebook midpoints (fp32, as `nearest_level` computes them),
+    the value inlier mask [H, D] uint8, outlier channels [H, O] int64."""
+    hit = _QUANT_TABLES.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    H, D = profile.num_kv_heads, profile.head_dim
+    kw = profile.k_bits if profile.per_channel_keys else torch.full((H, D), profile.bits)
+
+    def mids(cb):
+        return ((cb[1:] + cb[:-1]) * 0.5).float().contiguous()
+    t = (*(x.float().contiguous() for x in (profile.k_zero, profile.k_scale, profile.v_zero)),
+         kw.to(torch.int64).contiguous(), mids(profile.k_codebook), mids(profile.v_codebook),
+         _inlier_mask(profile.v_outlier_idx, D).to(torch.uint8).contiguous(),
+         profile.k_outlier_idx.to(torch.int64).contiguous(), profile.v_outlier_idx.to(torch.int64).contiguous())
+    if len(_QUANT_TABLES) >= 1024:
+        _QUANT_TABLES.clear()
+    _QUANT_TABLES[id(profile)] = (profile, t)
+    return t
+
+
+def _compiled_quantize(kf: torch.Tensor, vf: torch.Tensor, profile: KVQuantProfile) -> "QuantizedKV | None":
+    """`quantize_kv` in one compiled pass (kernels/csrc/kv_quantize.c, bit-identical), or None where it cannot run
+    (no compiled kernels, tensors off the CPU, D > 1024)."""
+    if kf.device.type != "cpu" or profile.k_scale.device.type != "cpu" or profile.head_dim > 1024:
+        return None
+    from kernels.cpu import _build  # here, not at import: kernels.cpu needs no part of this module
+    from kernels.cpu._abi import QuantizeKVArgs
+
+    lib = _build.lib()
+    if lib is None:
+        return None
+    kz, ks, vz, kw, k_mids, v_mids, inlier, k_oidx, v_oidx = _quant_tables(profile)
+    k, v = kf.contiguous(), vf.contiguous()
+    n, h, d = k.shape
+    pk, p, ok, ov = profile.k_packed_bytes, profile.packed_bytes, k_oidx.shape[1], v_oidx.shape[1]
+    eight = profile.v_scale_bits == 8
+    out = QuantizedKV(k_codes=torch.empty(n, h, pk, dtype=torch.uint8), v_codes=torch.empty(n, h, p, dtype=torch.uint8),
+                      v_scale=torch.empty(n, h, dtype=torch.uint8 if eight else torch.float16),
+                      k_outliers=torch.empty(n, h, ok, dtype=torch.float16),
+                      v_outliers=torch.empty(n, h, ov, dtype=torch.float16))
+    codes = torch.empty(n, h, d, dtype=torch.int64)
+    lut = value_scale_table() if eight else None
+    lib.moeray_quantize_kv(ctypes.byref(QuantizeKVArgs(
+        k.data_ptr(), v.data_ptr(), n, h, d, kz.data_ptr(), ks.data_ptr(), vz.data_ptr(), kw.data_ptr(),
+        int(profile.per_channel_keys), k_mids.data_ptr(), k_mids.numel(), v_mids.data_ptr(), v_mids.numel(),
+        profile.bits, inlier.data_ptr(), None if lut is None else lut.data_ptr(), k_oidx.data_ptr(), ok,
+        v_oidx.data_ptr(), ov, out.k_codes.data_ptr(), pk, out.v_codes.data_ptr(), p,
+        None if eight else out.v_scale.data_ptr(), out.v_scale.data_ptr() if eight else None,
+        out.k_outliers.data_ptr(), out.v_outliers.data_ptr(), codes.data_ptr())))
+    return out
 
 
 def dequantize_keys(k_codes: torch.Tensor, k_outliers: torch.Tensor, profile: KVQuantProfile) -> torch.Tensor:

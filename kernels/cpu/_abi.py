@@ -53,6 +53,13 @@ class QuantDecodeArgs(ctypes.Structure):
                        "L S, F scale, P vs_lut, P stk, P stv, P sslot, L srows, L sbs, L maxpos")
 
 
+class QuantizeKVArgs(ctypes.Structure):
+    """`moeray_quantize_kv_args` (kernels/csrc/kv_quantize.c)."""
+    _fields_ = _fields("P k, P v, L N, L H, L D, P k_zero, P k_scale, P v_zero, P kw, L k_grid, P k_mids, L nk, "
+                       "P v_mids, L nv, L vbits, P v_inlier, P vs_lut, P k_oidx, L Ok, P v_oidx, L Ov, "
+                       "P k_codes, L Pk, P v_codes, L P, P v_scale16, P v_scale8, P k_out, P v_out, P codes")
+
+
 class ExpertFFNArgs(ctypes.Structure):
     """`moeray_expert_ffn_bf16w_args` (kernels/csrc/expert_ffn.c)."""
     _fields_ = _fields("P x, L sx, P gu, P dn, P gup, P dnp, P ids, P wts, L R, L K, L E, L D, L I, P y, L sy")
@@ -133,6 +140,7 @@ SIGNATURES = {
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
     "moeray_quant_decode_attention": (_ptr(QuantDecodeArgs), _L),
+    "moeray_quantize_kv": (_ptr(QuantizeKVArgs), None),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),

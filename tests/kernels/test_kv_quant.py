@@ -373,3 +373,40 @@ def test_per_channel_key_bits_fit_format_and_error():
         fit_kv_profile(k_cal, v_cal, bits=2, k_channel_bits=600)
     with pytest.raises(ValueError, match="query_energy.shape"):
         fit_kv_profile(k_cal, v_cal, bits=2, k_channel_bits=152, query_energy=torch.ones(64))
+
+
+@pytest.mark.parametrize("case", ["grid-fp16", "grid-8bit", "codebook", "1bit-values"])
+def test_compiled_quantizer_is_bit_identical_to_the_reference(case, monkeypatch):
+    """kernels/csrc/kv_quantize.c against quantize_kv's PyTorch ops: every code, scale and outlier equal, on
+    per-channel key widths and codebook keys, fp16 and 8-bit value scales, outliers, rows of zeros, values on
+    codebook midpoints and beyond fp16's range."""
+    import dataclasses
+
+    from kernels import kv_quant
+    from kernels.cpu import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.skip("the compiled CPU kernels are not built")
+    g = torch.Generator().manual_seed(3)
+    k_cal, v_cal = torch.randn(64, 2, 32, generator=g) * 3, torch.randn(64, 2, 32, generator=g)
+    energy = (4.0 ** torch.linspace(0, 7, 32)).repeat(2, 1)
+    kw = dict(bits=2, k_channel_bits=96, query_energy=energy, n_outlier=0) if case.startswith("grid") else dict(
+        bits=3, n_outlier=2)
+    prof = fit_kv_profile(k_cal, v_cal, n_outlier_v=1, **kw)
+    if case == "grid-8bit":
+        prof = dataclasses.replace(prof, v_scale_bits=8)
+    if case == "1bit-values":
+        prof = fit_kv_profile(k_cal, v_cal, bits=1, n_outlier=1, n_outlier_v=1)
+    k, v = torch.randn(40, 2, 32, generator=g) * 3, torch.randn(40, 2, 32, generator=g)
+    v[3] = 0.0  # a row of zeros: scale 1
+    v[4, 0, :4] = 1e6  # beyond fp16
+    mids = (prof.v_codebook[1:] + prof.v_codebook[:-1]) * 0.5
+    v[5, 1, :mids.numel()] = mids  # exactly on a midpoint (bucketize: the lower level)
+    got = quantize_kv(k, v, prof)
+    monkeypatch.setattr(kv_quant, "_compiled_quantize", lambda *a: None)
+    want = quantize_kv(k, v, prof)
+    for f in ("k_codes", "v_codes", "v_scale", "k_outliers", "v_outliers"):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, f
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.float16 else b), f
