@@ -263,9 +263,7 @@ class QuantizedKVSequences:
             tail_pos = ((sink_lens + sealed)[:, None] + ar).clamp(max=self.cos.shape[0] - 1)
             ptabs = [self.tables.pages(x[5]) for x in dec]
             m = max(1, max(len(t) for t in ptabs))
-            ptab = torch.zeros(len(dec), m, dtype=torch.int32)
-            for i, t in enumerate(ptabs):
-                ptab[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            ptab = torch.tensor([list(t) + [0] * (m - len(t)) for t in ptabs], dtype=torch.int32)  # one tensor op
             groups: dict[str, list[int]] = {}
             for i, x in enumerate(dec):
                 groups.setdefault(x[1].profile, []).append(i)
