@@ -25,6 +25,13 @@ __attribute__((target("f16c"))) static inline float from_half(uint16_t h) {
     return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
 }
 
+/* 4 int64 (small, non-negative) -> 4 int32 */
+static inline __m128i widths4(const long *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i lo = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+    return _mm256_castsi256_si128(lo);
+}
+
 /* how many of the n ascending midpoints are < x (torch.bucketize(x, mids), right=False) */
 static inline long below(const float *mids, long n, float x) {
     long lo = 0, hi = n;
@@ -60,10 +67,49 @@ static uint8_t scale_code(float mag, const float *lut) {
     return (uint8_t)c;
 }
 
+/* 8 lanes of `below`: the count of midpoints < x, one compare per midpoint (codebooks of up to 16 levels). */
+static inline __m256i below8(const float *mids, long n, __m256 x) {
+    __m256i c = _mm256_setzero_si256();
+    for (long j = 0; j < n; j++)
+        c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(mids[j]), x, _CMP_LT_OQ)));
+    return c;
+}
+
+/* int32 lanes -> int64 codes */
+static inline void store_codes8(long *out, __m256i c) {
+    _mm256_storeu_si256((__m256i *)out, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(c)));
+    _mm256_storeu_si256((__m256i *)(out + 4), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(c, 1)));
+}
+
 void moeray_quantize_kv(const moeray_quantize_kv_args *a) {
     const long N = a->N, H = a->H, D = a->D, row = H * D;
-    /* keys */
-    for (long n = 0; n < N; n++)
+    /* keys: 8 elements a vector (the same IEEE operations as the scalar loop below, rounding ties to even) */
+    long i0 = 0;
+    if (row % 8 == 0 && (a->k_grid || a->nk <= 15)) {
+        const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-1.0f), half = _mm256_set1_ps(0.5f);
+        for (long n = 0; n < N; n++)
+            for (long i = 0; i < row; i += 8) {
+                const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(a->k + n * row + i),
+                                                             _mm256_loadu_ps(a->k_zero + i)),
+                                               _mm256_loadu_ps(a->k_scale + i));
+                __m256i c;
+                if (a->k_grid) {
+                    const __m128i w0 = widths4(a->kw + i), w1 = widths4(a->kw + i + 4);
+                    const __m256i w = _mm256_set_m128i(w1, w0);
+                    const __m256 top = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(1), w),
+                                                                           _mm256_set1_epi32(1)));
+                    const __m256 y = _mm256_min_ps(_mm256_max_ps(x, neg), one);
+                    const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(y, one), half), top),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    c = _mm256_cvtps_epi32(_mm256_min_ps(r, top));
+                } else {
+                    c = below8(a->k_mids, a->nk, x);
+                }
+                store_codes8(a->codes + n * row + i, c);
+            }
+        i0 = N;  /* every token done */
+    }
+    for (long n = i0; n < N; n++)
         for (long i = 0; i < row; i++) {
             const float x = (a->k[n * row + i] - a->k_zero[i]) / a->k_scale[i];
             long c;
@@ -103,7 +149,13 @@ void moeray_quantize_kv(const moeray_quantize_kv_args *a) {
                 s = from_half(hs);
             }
             long *out = a->codes + (n * H + h) * D;
-            for (long d = 0; d < D; d++) out[d] = below(a->v_mids, a->nv, c[d] / s);
+            long d = 0;
+            if (a->nv <= 15) {
+                const __m256 sv = _mm256_set1_ps(s);
+                for (; d + 8 <= D; d += 8)
+                    store_codes8(out + d, below8(a->v_mids, a->nv, _mm256_div_ps(_mm256_loadu_ps(c + d), sv)));
+            }
+            for (; d < D; d++) out[d] = below(a->v_mids, a->nv, c[d] / s);
         }
     for (long h = 0; h < H; h++)  /* pack_codes_var with one width per head row = pack_codes */
         for (long n = 0; n < N; n++)
