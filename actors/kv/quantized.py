@@ -46,6 +46,7 @@ from actors.kv.quantized_decode import QuantizedDecode
 from actors.kv.quantized_layout import PAGE_ALIGN, QuantizedKVSizes, arena_views, layer_page_bytes, layout_key
 from actors.kv.quantized_sequences import QuantizedKVSequences, SequenceAllocator, SequenceState
 from kernels.cpu.attention import mixed_prefill_attention
+from kernels.cpu.quant_attention import quant_dequant_rows
 from kernels.kv_quant import dequantize_keys, dequantize_values, quantize_kv
 from kernels.rope import apply_rope, rope_tables
 
@@ -300,6 +301,12 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, QuantizedDec
             r = ns + q_new % s
             sk[r:r + rest] = k_open[n_seal:].to(sk.dtype)
             sv[r:r + rest] = v_open[n_seal:].to(sv.dtype)
+        n_sink = min(ns, ctx)
+        # the sealed tokens dequantized and rotated in one compiled pass (no page read-back, no PyTorch dequantize)
+        got = quant_dequant_rows(self.views[self._key[st.profile]][layer], *read_at, prof, self.cos, self.sin,
+                                 ns) if q_new and self._staged_kernel else None
+        if got is not None:
+            return self._prefill_attend(q_nHD, sk, sv, k_open, v_open, got, ctx, p0, q_old, n_seal, scale)
         # keys/values of all ctx positions, pre-RoPE, in full precision where still available and dequantized
         # where sealed
         if q_new:
@@ -308,7 +315,6 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, QuantizedDec
             v_dq_sealed = dequantize_values(qkv.v_codes, qkv.v_scale, qkv.v_outliers, prof)
         else:
             k_dq_sealed = v_dq_sealed = torch.zeros(0, h, d, device=self.device)
-        n_sink = min(ns, ctx)
         k_sink, v_sink = sk[:n_sink].float(), sv[:n_sink].float()
         k_fp = torch.cat([k_sink, k_dq_sealed[:q_old], k_open])  # q_old tokens have no full-precision copy left
         v_fp = torch.cat([v_sink, v_dq_sealed[:q_old], v_open])
@@ -320,3 +326,20 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, QuantizedDec
         quant_hi = ns + torch.clamp((q_pos + 1 - ns).clamp(min=0) // s * s, min=q_old)
         return mixed_causal_attention(q_nHD, apply_rope(k_fp, cos, sin), v_fp, apply_rope(k_dq, cos, sin), v_dq,
                                       q_pos, ns, quant_hi, scale)
+
+    def _prefill_attend(self, q_nHD, sk, sv, k_open, v_open, sealed, ctx, p0, q_old, n_seal, scale) -> torch.Tensor:
+        """`_prefill`'s attention when the sealed tokens came dequantized and rotated (`quant_dequant_rows`):
+        only the sink and open rows are rotated here."""
+        ns, s = self.sink_tokens, self.block_size
+        n_sink = min(ns, ctx)
+        k_rot, v_sealed = sealed  # [q_new, H, D], positions ns ..
+        pos = torch.cat([torch.arange(n_sink), torch.arange(ns + q_old, ctx)])
+        fp = apply_rope(torch.cat([sk[:n_sink].float(), k_open]), self.cos[pos], self.sin[pos])
+        v_sink = sv[:n_sink].float()
+        k_fp = torch.cat([fp[:n_sink], k_rot[:q_old], fp[n_sink:]])  # q_old tokens have no full-precision copy left
+        v_fp = torch.cat([v_sink, v_sealed[:q_old], v_open])
+        k_dq = torch.cat([fp[:n_sink], k_rot, fp[n_sink + n_seal:]])
+        v_dq = torch.cat([v_sink, v_sealed, v_open[n_seal:]])
+        q_pos = torch.arange(p0, ctx, device=self.device)
+        quant_hi = ns + torch.clamp((q_pos + 1 - ns).clamp(min=0) // s * s, min=q_old)
+        return mixed_causal_attention(q_nHD, k_fp, v_fp, k_dq, v_dq, q_pos, ns, quant_hi, scale)

@@ -141,6 +141,7 @@ SIGNATURES = {
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
     "moeray_quant_decode_attention": (_ptr(QuantDecodeArgs), _L),
     "moeray_quantize_kv": (_ptr(QuantizeKVArgs), None),
+    "moeray_quant_dequant_rows": ([ctypes.POINTER(QuantDecodeArgs), _P, _P, _L, _L, _P, _P], _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),

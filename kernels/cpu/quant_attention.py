@@ -172,3 +172,50 @@ def quant_decode_attention_or_ref(*args, **kwargs) -> torch.Tensor:
     """`quant_decode_attention` where it runs, else `paged_decode_attention_ref` (same arguments and result)."""
     out = quant_decode_attention(*args, **kwargs)
     return out if out is not None else paged_decode_attention_ref(*args, **kwargs)
+
+
+def quant_dequant_rows(pages: KVPages, pages_n: torch.Tensor, slots_n: torch.Tensor, profile: KVQuantProfile,
+                       cos: torch.Tensor, sin: torch.Tensor, pos0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """n sealed tokens of one layer read from their pages, dequantized, and their keys rotated at positions pos0,
+    pos0 + 1, ... (kernels/csrc/quant_decode_attention.c `moeray_quant_dequant_rows`; what the quantized cache's
+    prefill attends over, equal to `dequantize_kv` of the pages' rows then `apply_rope` up to fp32 rounding).
+
+    Args:
+        pages: the layer's page views. pages_n / slots_n: [n] int64 page and slot of each token.
+        cos / sin: [max_pos, D] RoPE tables. pos0: the first token's position.
+    Returns:
+        (K [n, H, D] fp32 after RoPE, V [n, H, D] fp32), or None when the kernel cannot run (the caller then
+        reads, dequantizes and rotates with PyTorch ops).
+    Raises:
+        ValueError: a position beyond the RoPE table. MemoryError: no scratch.
+    """
+    lib = _build.lib()
+    h, d = profile.num_kv_heads, profile.head_dim
+    if lib is None or cos.device.type != "cpu" or d > 1024:
+        return None
+    strides = _page_strides(pages)
+    if strides is None:
+        return None
+    n = pages_n.numel()
+    k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
+    pg, sl = pages_n.to(torch.int64).contiguous(), slots_n.to(torch.int64).contiguous()
+    cf, sf = cos.float().contiguous(), sin.float().contiguous()
+    K, V = torch.empty(n, h, d, dtype=torch.float32), torch.empty(n, h, d, dtype=torch.float32)
+    args = QuantDecodeArgs(
+        kc=pages.k_codes.data_ptr(), vc=pages.v_codes.data_ptr(), vs=pages.v_scale.data_ptr(),
+        ko=pages.k_outliers.data_ptr(), vo=pages.v_outliers.data_ptr(), skc=strides[0], svc=strides[1],
+        svs=strides[2], sko=strides[3], svo=strides[4], cosr=cf.data_ptr(), sinr=sf.data_ptr(),
+        k_scale=k_scale.data_ptr(), k_zero=k_zero.data_ptr(), v_zero=v_zero.data_ptr(), k_cb=k_cb.data_ptr(),
+        v_cb=v_cb.data_ptr(), kw=kw.data_ptr(), k_grid=grid, vbits=profile.bits, Pk=pages.k_codes.shape[-1],
+        P=pages.v_codes.shape[-1], k_oidx=k_oidx.data_ptr(), v_oidx=v_oidx.data_ptr(), Ok=k_oidx.shape[1],
+        Ov=v_oidx.shape[1], H=h, D=d, S=pages.block_size, maxpos=cos.shape[0],
+        vs_lut=value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)
+    rc = lib.moeray_quant_dequant_rows(ctypes.byref(args), pg.data_ptr(), sl.data_ptr(), n, pos0, K.data_ptr(),
+                                       V.data_ptr()) if n else 0
+    if rc == -4:
+        raise ValueError(f"position {pos0 + n - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
+    if rc == -3:
+        return None
+    if rc:
+        raise MemoryError("quant_dequant_rows: no scratch for the unpacking tables")
+    return K, V

@@ -252,6 +252,83 @@ TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float
     }
 }
 
+/* What unpacking a token of this layer takes, made once per call: each key / value channel's place in its row
+   (per element), as int32 lanes (8 channels), as byte-permute indices (16 channels), and the key grid steps. */
+typedef struct {
+    long *code; struct code_at *kat, *vat; float *kfac; int32_t *lanes; uint8_t *pidx;
+    struct code_lanes cl; int simd, wide; long nkcb;
+} unpacker;
+
+static void unpacker_free(unpacker *u) { free(u->code); free(u->kat); free(u->kfac); free(u->lanes); free(u->pidx); }
+
+/* 0, or -1 when its tables could not be allocated (nothing to free then). */
+static int unpacker_init(const moeray_quant_decode_args *a, unpacker *u) {
+    const long H = a->H, D = a->D, row = H * D;
+    memset(u, 0, sizeof *u);
+    u->simd = D % 16 == 0;
+    /* the 16-channel path: AVX-512 in use (moeray_isa_level 2), VBMI, rows of <= 128 bytes, D % 32 == 0 */
+    u->wide = u->simd && moeray_isa_level >= 2 && D % 32 == 0 && a->Pk <= 128 && a->P <= 128
+              && __builtin_cpu_supports("avx512vbmi");
+    u->code = (long *)malloc((size_t)D * sizeof(long));
+    u->kat = (struct code_at *)malloc((size_t)(row + D) * sizeof(struct code_at));
+    u->kfac = (float *)malloc((size_t)row * sizeof(float));
+    u->lanes = u->simd ? (int32_t *)malloc((size_t)(3 * row + 2 * D) * sizeof(int32_t)) : NULL;
+    u->pidx = u->wide ? (uint8_t *)malloc((size_t)(4 * row + 4 * D)) : NULL;
+    if (!u->code || !u->kat || !u->kfac || (u->simd && !u->lanes) || (u->wide && !u->pidx)) {
+        unpacker_free(u);
+        return -1;
+    }
+    u->vat = u->kat + row;
+    for (long h = 0; h < H; h++)
+        for (long d = 0, off = 0; d < D; off += a->kw[h * D + d], d++) {
+            u->kat[h * D + d] = (struct code_at){(int32_t)(off / 8), (int32_t)(off % 8), (int32_t)a->kw[h * D + d]};
+            u->kfac[h * D + d] = 2.0f / (float)((1L << a->kw[h * D + d]) - 1);
+        }
+    for (long d = 0; d < D; d++)
+        u->vat[d] = (struct code_at){(int32_t)(d * a->vbits / 8), (int32_t)(d * a->vbits % 8), (int32_t)a->vbits};
+    if (u->simd) {  /* the same places as int32 lanes */
+        int32_t *l = u->lanes;
+        for (long i = 0; i < row; i++) {
+            l[i] = u->kat[i].at; l[row + i] = u->kat[i].sh; l[2 * row + i] = (int32_t)((1u << u->kat[i].w) - 1);
+        }
+        for (long d = 0; d < D; d++) { l[3 * row + d] = u->vat[d].at; l[3 * row + D + d] = u->vat[d].sh; }
+        u->cl = (struct code_lanes){l, l + row, l + 2 * row, l + 3 * row, l + 3 * row + D,
+                                    (int32_t)((1u << a->vbits) - 1)};
+    }
+    u->nkcb = 1L << a->kw[0];  /* fixed-width keys (a codebook): every width is `bits` */
+    if (u->wide) { permute_index(u->cl.kat, row, u->pidx); permute_index(u->cl.vat, D, u->pidx + 4 * row); }
+    return 0;
+}
+
+/* Token (page, slot) at position pos: its key rotated into krow [H, D], its value into vrow [H, D].  buf: a
+   packed row and 4 readable bytes past it (1,032 bytes). */
+static void unpack_token(const moeray_quant_decode_args *a, const unpacker *u, long page, long slot, long pos,
+                         float *krow, float *vrow, uint8_t *buf) {
+    const long row = a->H * a->D;
+    if (u->wide)
+        dequant_token16(a, u->kfac, &u->cl, u->pidx, u->pidx + 4 * row, u->nkcb, page, slot, pos, krow, vrow);
+    else if (u->simd)
+        dequant_token8(a, u->kfac, &u->cl, u->nkcb, page, slot, pos, krow, vrow, buf);
+    else
+        dequant_token(a, u->kfac, u->kat, u->vat, page, slot, pos, krow, vrow, u->code);
+}
+
+/* A prefill's sealed tokens, dequantized and rotated (the quantized cache's prefill attention reads them):
+   K / V [n, H, D] fp32, token i = (pages[i], slots[i]) at position pos0 + i.  Reads the profile and page fields of
+   `a` only.  0; -1 without scratch; -3 when D > 1024; -4 when pos0 + n > maxpos (nothing written then). */
+long moeray_quant_dequant_rows(const moeray_quant_decode_args *a, const long *pages, const long *slots, long n,
+                               long pos0, float *K, float *V) {
+    const long row = a->H * a->D;
+    if (a->D > 1024) return -3;
+    if (pos0 + n > a->maxpos) return -4;
+    unpacker u;
+    if (unpacker_init(a, &u)) return -1;
+    uint8_t buf[1024 + 8];
+    for (long i = 0; i < n; i++) unpack_token(a, &u, pages[i], slots[i], pos0 + i, K + i * row, V + i * row, buf);
+    unpacker_free(&u);
+    return 0;
+}
+
 /* 0; -1 when the scratch could not be allocated; -3 when D > 1024; -4 when a position to rotate (sink and quantized
    tokens, and the staged tail) is >= maxpos (nothing written in these cases). */
 long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
@@ -267,45 +344,16 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
        page faults on every layer of every step */
     static __thread float *scratch = NULL;
     static __thread size_t cap = 0;
-    const size_t need = (size_t)(2 * tmax * row + row);
+    const size_t need = (size_t)(2 * tmax * row);
     if (need > cap) {
         free(scratch);
         scratch = (float *)malloc(need * sizeof(float));
         cap = scratch ? need : 0;
     }
     float *K = scratch;
-    long *code = (long *)malloc((size_t)D * sizeof(long));
-    struct code_at *kat = (struct code_at *)malloc((size_t)(row + D) * sizeof(struct code_at));
-    if (!K || !code || !kat) { free(code); free(kat); return -1; }
-    float *V = K + tmax * row, *kfac = V + tmax * row;
-    struct code_at *vat = kat + row;
-    for (long h = 0; h < H; h++)
-        for (long d = 0, off = 0; d < D; off += a->kw[h * D + d], d++) {
-            kat[h * D + d] = (struct code_at){(int32_t)(off / 8), (int32_t)(off % 8), (int32_t)a->kw[h * D + d]};
-            kfac[h * D + d] = 2.0f / (float)((1L << a->kw[h * D + d]) - 1);
-        }
-    for (long d = 0; d < D; d++)
-        vat[d] = (struct code_at){(int32_t)(d * a->vbits / 8), (int32_t)(d * a->vbits % 8), (int32_t)a->vbits};
-    /* the same places as int32 lanes for the 8-channel path (D % 16 == 0) */
-    const int simd = D % 16 == 0;
-    int32_t *lanes = simd ? (int32_t *)malloc((size_t)(3 * row + 2 * D) * sizeof(int32_t)) : NULL;
-    if (simd && !lanes) { free(code); free(kat); return -1; }
-    struct code_lanes cl = {0};
-    if (simd) {
-        for (long i = 0; i < row; i++) {
-            lanes[i] = kat[i].at; lanes[row + i] = kat[i].sh; lanes[2 * row + i] = (int32_t)((1u << kat[i].w) - 1);
-        }
-        for (long d = 0; d < D; d++) { lanes[3 * row + d] = vat[d].at; lanes[3 * row + D + d] = vat[d].sh; }
-        cl = (struct code_lanes){lanes, lanes + row, lanes + 2 * row, lanes + 3 * row, lanes + 3 * row + D,
-                          (int32_t)((1u << a->vbits) - 1)};
-    }
-    const long nkcb = 1L << a->kw[0];  /* fixed-width keys (a codebook): every width is `bits` */
-    /* the 16-channel path: AVX-512 in use (moeray_isa_level 2), VBMI, rows of <= 128 bytes, D % 32 == 0 */
-    const int wide = simd && moeray_isa_level >= 2 && D % 32 == 0 && a->Pk <= 128 && a->P <= 128
-                     && __builtin_cpu_supports("avx512vbmi");
-    uint8_t *pidx = wide ? (uint8_t *)malloc((size_t)(4 * row + 4 * D)) : NULL;
-    if (wide && !pidx) { free(code); free(kat); free(lanes); return -1; }
-    if (wide) { permute_index(cl.kat, row, pidx); permute_index(cl.vat, D, pidx + 4 * row); }
+    unpacker u;
+    if (!K || unpacker_init(a, &u)) return -1;
+    float *V = K + tmax * row;
     uint8_t buf[1024 + 8];  /* one packed row (<= 8 bits x D <= 1024 bytes) and 4 readable bytes past it */
     long rc = 0;
     for (long b = 0; b < a->B && rc == 0; b++) {
@@ -324,14 +372,7 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
             t = n_sink;
         }
         for (long i = 0; i < a->ctx[b]; i++, t++) {
-            const long page = a->bt[b * a->mb + i / a->S];
-            if (wide)
-                dequant_token16(a, kfac, &cl, pidx, pidx + 4 * row, nkcb, page, i % a->S, n_sink + i, K + t * row,
-                                V + t * row);
-            else if (simd)
-                dequant_token8(a, kfac, &cl, nkcb, page, i % a->S, n_sink + i, K + t * row, V + t * row, buf);
-            else
-                dequant_token(a, kfac, kat, vat, page, i % a->S, n_sink + i, K + t * row, V + t * row, code);
+            unpack_token(a, &u, a->bt[b * a->mb + i / a->S], i % a->S, n_sink + i, K + t * row, V + t * row, buf);
         }
         const long n_tail = a->tk || a->stk ? a->tlen[b] : 0;
         if (n_tail && stk) {
@@ -350,6 +391,6 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
         if (t == 0) memset(o, 0, (size_t)(a->Hq * D) * sizeof(float));
         else rc = attend_rows(a->q + b * a->Hq * D, K, V, t, a->Hq, H, D, a->scale, o);
     }
-    free(code); free(kat); free(lanes); free(pidx);
+    unpacker_free(&u);
     return rc;
 }

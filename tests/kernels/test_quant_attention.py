@@ -145,3 +145,24 @@ def test_staged_rows_read_in_place_equal_explicit_sink_and_tail(ns):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one or the other"):
         quant_decode_attention(*args, **explicit, staged=StagedRows(stage_k, stage_v, slots, ns, S))
+
+
+@pytest.mark.parametrize("d", [24, 32])
+def test_dequant_rows_equal_dequantize_then_rope(d):
+    """`quant_dequant_rows`: sealed tokens read from scattered pages, dequantized and rotated, equal the PyTorch
+    ops (`KVPages.read`, `dequantize_kv`, `apply_rope`); a position past the table raises."""
+    from kernels.cpu.quant_attention import quant_dequant_rows
+    from kernels.kv_quant import dequantize_kv
+    from kernels.rope import apply_rope
+
+    args, _, _, _ = _case(ctx_lens=[9, 6], sink_lens=[0, 0], tail_lens=[0, 0], bits=3, d=d, seed=9, n_outlier_v=1)
+    q, pages, bt, ctx, prof, cos, sin, scale = args
+    S = pages.block_size
+    pg = torch.tensor([int(bt[0, i // S]) for i in range(9)])
+    sl = torch.tensor([i % S for i in range(9)])
+    got = quant_dequant_rows(pages, pg, sl, prof, cos, sin, pos0=2)
+    k, v = dequantize_kv(pages.read(pg, sl), prof)
+    torch.testing.assert_close(got[0], apply_rope(k, cos[2:11], sin[2:11]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], v, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="exceeds the RoPE table"):
+        quant_dequant_rows(pages, pg, sl, prof, cos, sin, pos0=cos.shape[0] - 3)
