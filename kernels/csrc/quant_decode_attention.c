@@ -254,15 +254,15 @@ TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float
 
 /* What unpacking a token of this layer takes, made once per call: each key / value channel's place in its row
    (per element), as int32 lanes (8 channels), as byte-permute indices (16 channels), and the key grid steps. */
-typedef struct {
+struct unpacker {
     long *code; struct code_at *kat, *vat; float *kfac; int32_t *lanes; uint8_t *pidx;
     struct code_lanes cl; int simd, wide; long nkcb;
-} unpacker;
+};
 
-static void unpacker_free(unpacker *u) { free(u->code); free(u->kat); free(u->kfac); free(u->lanes); free(u->pidx); }
+static void unpacker_free(struct unpacker *u) { free(u->code); free(u->kat); free(u->kfac); free(u->lanes); free(u->pidx); }
 
 /* 0, or -1 when its tables could not be allocated (nothing to free then). */
-static int unpacker_init(const moeray_quant_decode_args *a, unpacker *u) {
+static int unpacker_init(const moeray_quant_decode_args *a, struct unpacker *u) {
     const long H = a->H, D = a->D, row = H * D;
     memset(u, 0, sizeof *u);
     u->simd = D % 16 == 0;
@@ -302,7 +302,7 @@ static int unpacker_init(const moeray_quant_decode_args *a, unpacker *u) {
 
 /* Token (page, slot) at position pos: its key rotated into krow [H, D], its value into vrow [H, D].  buf: a
    packed row and 4 readable bytes past it (1,032 bytes). */
-static void unpack_token(const moeray_quant_decode_args *a, const unpacker *u, long page, long slot, long pos,
+static void unpack_token(const moeray_quant_decode_args *a, const struct unpacker *u, long page, long slot, long pos,
                          float *krow, float *vrow, uint8_t *buf) {
     const long row = a->H * a->D;
     if (u->wide)
@@ -321,7 +321,7 @@ long moeray_quant_dequant_rows(const moeray_quant_decode_args *a, const long *pa
     const long row = a->H * a->D;
     if (a->D > 1024) return -3;
     if (pos0 + n > a->maxpos) return -4;
-    unpacker u;
+    struct unpacker u;
     if (unpacker_init(a, &u)) return -1;
     uint8_t buf[1024 + 8];
     for (long i = 0; i < n; i++) unpack_token(a, &u, pages[i], slots[i], pos0 + i, K + i * row, V + i * row, buf);
@@ -351,7 +351,7 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
         cap = scratch ? need : 0;
     }
     float *K = scratch;
-    unpacker u;
+    struct unpacker u;
     if (!K || unpacker_init(a, &u)) return -1;
     float *V = K + tmax * row;
     uint8_t buf[1024 + 8];  /* one packed row (<= 8 bits x D <= 1024 bytes) and 4 readable bytes past it */
