@@ -29,6 +29,9 @@ key row is P_k = ceil(B / 8) bytes (the value row stays P); the codes of a row a
 bit offset sum(b[h, :d]) (`kernels.kv_pack.pack_codes_var`). The widths are allocated offline
 (`kernels.kv_calibrate.allocate_channel_bits`).
 
+On CPU `quantize_kv` runs as one compiled pass (kernels/csrc/kv_quantize.c, bit-identical to the PyTorch ops here,
+which stay the reference and the path elsewhere).
+
 Code packing: `kernels.kv_pack`; the profile: `kernels.kv_profile`; calibration: `kernels.kv_calibrate`;
 paged storage: `kernels.kv_pages`. The KIVI baseline (arXiv 2402.02750) compared against lives in
 bench/kivi.py.

@@ -24,9 +24,10 @@ page's token count and the codebooks are compile-time or per-launch constants of
 widths inside one launch would need per-program code paths and were not worth it for at most a few groups.
 
 The cache in parts: this module holds the storage (one uint8 page arena and the full-precision staging rows
-per layer) and the per-layer write / seal / attend; decode attention actors/kv/quantized_decode.py, the page layout and size arithmetic are
-actors/kv/quantized_layout.py, the sequences, pool budget and step plan actors/kv/quantized_sequences.py, the
-page tables actors/kv/page_tables.py, the build from an EngineConfig actors/kv/builder.py.
+per layer), the per-layer write / seal and the prefill's attention; the decode attention is
+actors/kv/quantized_decode.py, the page layout and size arithmetic actors/kv/quantized_layout.py, the sequences,
+pool budget and step plan actors/kv/quantized_sequences.py, the page tables actors/kv/page_tables.py, the build
+from an EngineConfig actors/kv/builder.py.
 
 Shape legend: T = tokens in the step, B = decode sequences, Hq = query heads, H = KV heads, D = head_dim,
 S = block_size, Ns = sink tokens, NP = pool pages, Tp = tokens per page of one width, M = max pages per

@@ -5,6 +5,8 @@ dequantized then rotated at their position): this path dequantizes each sequence
 compiled pass (codes unpacked, levels, scale and zero, outliers, RoPE) and attends with the full-precision decode
 kernel's loop, where the reference runs ~40 PyTorch ops per sequence and layer. Equal to the reference up to fp32
 rounding (tests/kernels/test_quant_attention.py). Returns None when it cannot run; the caller runs the reference.
+The cache passes its staging rows in place (`StagedRows`) instead of gathered, rotated sink and tail tensors; its
+prefill reads sealed tokens dequantized and rotated by the same unpacking (`quant_dequant_rows`).
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
     """`paged_decode_attention_ref` (same arguments, same result up to fp32 rounding) in one compiled call.
 
     staged: instead of sink_k / sink_v / tail_k / tail_v, the cache's staging rows as they lie (no gather, no
-        RoPE pass, no copy per layer: `staged_rows` says what they hold), with sink_lens and tail_lens [B].
+        RoPE pass, no copy per layer: `StagedRows` says what they hold), with sink_lens and tail_lens [B].
 
     Returns:
         [B, Hq, D] in q.dtype, or None when the kernel cannot run (no compiled kernels, tensors off the CPU, page
@@ -155,8 +157,8 @@ class StagedRows:
     block_size: int
 
     def check(self, b: int, h: int, d: int) -> tuple | None:
-        """(k, v, slots, rows) pointers for the kernel, or None when it cannot read them in place (not fp32
-        contiguous on the CPU). Raises ValueError on shapes that do not fit."""
+        """(k, v, slots pointers, rows per slot, block size) for the kernel, or None when it cannot read them in place
+        (not fp32 contiguous on the CPU). Raises ValueError on shapes that do not fit."""
         k, v = self.k, self.v
         if k.dim() != 4 or k.shape != v.shape or tuple(k.shape[2:]) != (h, d) or self.slots.shape != (b,):
             raise ValueError(f"staged rows k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(self.slots.shape)}: "
