@@ -166,3 +166,12 @@ def test_dequant_rows_equal_dequantize_then_rope(d):
     torch.testing.assert_close(got[1], v, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="exceeds the RoPE table"):
         quant_dequant_rows(pages, pg, sl, prof, cos, sin, pos0=cos.shape[0] - 3)
+
+
+def test_long_sequence_attended_in_chunks_matches_reference():
+    """A sequence of more than 1,024 rows is attended in chunks with an online softmax (the dequantized rows stay
+    in cache), shorter ones whole in the same call: both equal the reference."""
+    args, kwargs, _, _ = _case(ctx_lens=[1100, 37], sink_lens=[2, 1], tail_lens=[3, 2], bits=3, d=32, seed=4,
+                               block_size=16, n_outlier=1, n_outlier_v=1)
+    out = quant_decode_attention(*args, **kwargs)
+    torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
