@@ -340,7 +340,7 @@ long moeray_quant_dequant_rows(const moeray_quant_decode_args *a, const long *pa
    batch 1, bench/kv_decode.py): at 4,096 tokens 3-bit 1.54x -> 1.40x the full-precision ms/token in chunks; at
    64 sequences of ~100 tokens, chunks cost 12.9 against 11.5 ms a step whole. */
 #define CHUNK 32
-#define WHOLE_ROWS 1024
+#define WHOLE_ROWS 256
 
 /* Query heads q [Hq, D] over n rows K / V [n, H, D] (GQA: head h reads KV head h / (Hq / H)): m, l [Hq] and acc
    [Hq, D] updated in place (m = -inf, l = 0, acc = 0 before the first chunk); sc: n floats of scratch. */
