@@ -336,9 +336,9 @@ long moeray_quant_dequant_rows(const moeray_quant_decode_args *a, const long *pa
    flash-decoding recurrence), so the dequantized rows never leave the L1 / L2 cache: only the packed codes
    stream from memory, 3-5 bits per element where the full-precision cache streams 32.  A sequence of at most
    WHOLE_ROWS rows is instead made whole and attended by the full-precision kernel's loop (attend_rows: two query
-   heads per KV row load, AVX-512), which is faster while the rows fit the cache anyway.  Measured (shipped model,
-   batch 1, bench/kv_decode.py): at 4,096 tokens 3-bit 1.54x -> 1.40x the full-precision ms/token in chunks; at
-   64 sequences of ~100 tokens, chunks cost 12.9 against 11.5 ms a step whole. */
+   heads per KV row load, AVX-512), no slower while the rows fit the cache anyway.  Measured (shipped model, 3-bit,
+   bench/kv_decode.py, ratio to the full-precision ms/token): 512 tokens, batch 1 / 8: 1.41 / 1.31 whole, 1.35 /
+   1.27 in chunks; 1,024: 1.52 -> 1.41; 4,096: 1.54 -> 1.32-1.40; 64 sequences of ~100 tokens alike either way. */
 #define CHUNK 32
 #define WHOLE_ROWS 256
 

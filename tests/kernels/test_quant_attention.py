@@ -169,7 +169,7 @@ def test_dequant_rows_equal_dequantize_then_rope(d):
 
 
 def test_long_sequence_attended_in_chunks_matches_reference():
-    """A sequence of more than 1,024 rows is attended in chunks with an online softmax (the dequantized rows stay
+    """A sequence of more than 256 rows is attended in chunks with an online softmax (the dequantized rows stay
     in cache), shorter ones whole in the same call: both equal the reference."""
     args, kwargs, _, _ = _case(ctx_lens=[1100, 37], sink_lens=[2, 1], tail_lens=[3, 2], bits=3, d=32, seed=4,
                                block_size=16, n_outlier=1, n_outlier_v=1)
