@@ -119,20 +119,15 @@ static inline __m256 levels8(const float *cb, long ncb, __m256 lo, __m256 hi, __
 }
 
 static void dequant_token8(const moeray_quant_decode_args *a, const float *kfac, const struct code_lanes *cl, long nkcb,
-                           long page, long slot, long pos, float *krow, float *vrow, uint8_t *buf) {
+                           const float *cb16, long page, long slot, long pos, float *krow, float *vrow, uint8_t *buf) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2;
     const long nvcb = 1L << a->vbits;
     const uint8_t *kc = a->kc + page * a->skc, *vc = a->vc + page * a->svc;
     const uint16_t *vs = a->vs + page * a->svs, *ko = a->ko + page * a->sko, *vo = a->vo + page * a->svo;
     const float *cs = a->cosr + pos * D, *sn = a->sinr + pos * D;
     const __m256 one = _mm256_set1_ps(1.0f);
-    __m256 klo = _mm256_setzero_ps(), khi = klo, vlo = klo, vhi = klo;
-    if (!a->k_grid && nkcb <= 16) { klo = _mm256_loadu_ps(a->k_cb); if (nkcb > 8) khi = _mm256_loadu_ps(a->k_cb + 8); }
-    if (nvcb <= 16) {
-        float t[16] = {0};
-        memcpy(t, a->v_cb, (size_t)nvcb * sizeof(float));
-        vlo = _mm256_loadu_ps(t); vhi = _mm256_loadu_ps(t + 8);
-    }
+    const __m256 klo = _mm256_loadu_ps(cb16), khi = _mm256_loadu_ps(cb16 + 8);  /* zero-padded codebooks */
+    const __m256 vlo = _mm256_loadu_ps(cb16 + 16), vhi = _mm256_loadu_ps(cb16 + 24);
     const __m256i vmask = _mm256_set1_epi32(cl->vmask);
     float x[1024];
     for (long h = 0; h < H; h++) {
@@ -202,19 +197,14 @@ TVBMI static inline void load_row(const uint8_t *row, long n, __m512i *lo, __m51
 }
 
 TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float *kfac, const struct code_lanes *cl,
-                                  const uint8_t *kidx, const uint8_t *vidx, long nkcb, long page, long slot, long pos,
-                                  float *krow, float *vrow) {
+                                  const uint8_t *kidx, const uint8_t *vidx, long nkcb, const float *cb16, long page,
+                                  long slot, long pos, float *krow, float *vrow) {
     const long H = a->H, D = a->D, S = a->S, half = D / 2, nvcb = 1L << a->vbits;
     const uint8_t *kc = a->kc + page * a->skc, *vc = a->vc + page * a->svc;
     const uint16_t *vs = a->vs + page * a->svs, *ko = a->ko + page * a->sko, *vo = a->vo + page * a->svo;
     const float *cs = a->cosr + pos * D, *sn = a->sinr + pos * D;
     const __m512 one = _mm512_set1_ps(1.0f);
-    float t[16] = {0};
-    __m512 ktab = _mm512_setzero_ps(), vtab;
-    if (!a->k_grid && nkcb <= 16) { memcpy(t, a->k_cb, (size_t)nkcb * sizeof(float)); ktab = _mm512_loadu_ps(t); }
-    memset(t, 0, sizeof t);
-    memcpy(t, a->v_cb, (size_t)(nvcb <= 16 ? nvcb : 16) * sizeof(float));
-    vtab = _mm512_loadu_ps(t);
+    const __m512 ktab = _mm512_loadu_ps(cb16), vtab = _mm512_loadu_ps(cb16 + 16);  /* zero-padded codebooks */
     const __m512i vmask = _mm512_set1_epi32(cl->vmask);
     const int ktwo = a->Pk > 64, vtwo = a->P > 64;
     float x[1024];
@@ -258,6 +248,7 @@ TVBMI static void dequant_token16(const moeray_quant_decode_args *a, const float
 struct unpacker {
     long *code; struct code_at *kat, *vat; float *kfac; int32_t *lanes; uint8_t *pidx;
     struct code_lanes cl; int simd, wide; long nkcb;
+    float cb16[32];  /* the key codebook's first 16 levels, then the value codebook's, zero-padded */
 };
 
 static void unpacker_free(struct unpacker *u) { free(u->code); free(u->kat); free(u->kfac); free(u->lanes); free(u->pidx); }
@@ -297,6 +288,9 @@ static int unpacker_init(const moeray_quant_decode_args *a, struct unpacker *u) 
                                     (int32_t)((1u << a->vbits) - 1)};
     }
     u->nkcb = 1L << a->kw[0];  /* fixed-width keys (a codebook): every width is `bits` */
+    if (!a->k_grid) memcpy(u->cb16, a->k_cb, (size_t)(u->nkcb < 16 ? u->nkcb : 16) * sizeof(float));
+    const long nv = 1L << a->vbits;
+    memcpy(u->cb16 + 16, a->v_cb, (size_t)(nv < 16 ? nv : 16) * sizeof(float));
     if (u->wide) { permute_index(u->cl.kat, row, u->pidx); permute_index(u->cl.vat, D, u->pidx + 4 * row); }
     return 0;
 }
@@ -307,9 +301,10 @@ static void unpack_token(const moeray_quant_decode_args *a, const struct unpacke
                          float *krow, float *vrow, uint8_t *buf) {
     const long row = a->H * a->D;
     if (u->wide)
-        dequant_token16(a, u->kfac, &u->cl, u->pidx, u->pidx + 4 * row, u->nkcb, page, slot, pos, krow, vrow);
+        dequant_token16(a, u->kfac, &u->cl, u->pidx, u->pidx + 4 * row, u->nkcb, u->cb16, page, slot, pos, krow,
+                        vrow);
     else if (u->simd)
-        dequant_token8(a, u->kfac, &u->cl, u->nkcb, page, slot, pos, krow, vrow, buf);
+        dequant_token8(a, u->kfac, &u->cl, u->nkcb, u->cb16, page, slot, pos, krow, vrow, buf);
     else
         dequant_token(a, u->kfac, u->kat, u->vat, page, slot, pos, krow, vrow, u->code);
 }
