@@ -378,15 +378,89 @@ static void attend_chunk(const float *q, const float *K, const float *V, long n,
     }
 }
 
+/* The same for D = 64 and two query heads per KV head (the shipped model's shape), AVX-512: each K and V row is
+   loaded once for both heads, the weighted V sums stay in 8 registers across the chunk. */
+#define T512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+
+T512 static void attend_chunk_d64g2(const float *q, const float *K, const float *V, long n, long H, float scale,
+                                    float *m, float *l, float *acc, float *sc) {
+    const long row = H * 64;
+    float *s0 = sc, *s1 = sc + n;
+    for (long kv = 0; kv < H; kv++) {
+        const float *q0 = q + 2 * kv * 64, *q1 = q0 + 64;
+        const __m512 a0 = _mm512_loadu_ps(q0), a1 = _mm512_loadu_ps(q0 + 16), a2 = _mm512_loadu_ps(q0 + 32),
+                     a3 = _mm512_loadu_ps(q0 + 48), b0 = _mm512_loadu_ps(q1), b1 = _mm512_loadu_ps(q1 + 16),
+                     b2 = _mm512_loadu_ps(q1 + 32), b3 = _mm512_loadu_ps(q1 + 48);
+        float mx0 = m[2 * kv], mx1 = m[2 * kv + 1];
+        for (long t = 0; t < n; t++) {
+            const float *k = K + t * row + kv * 64;
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16), k2 = _mm512_loadu_ps(k + 32),
+                         k3 = _mm512_loadu_ps(k + 48);
+            const __m512 x = _mm512_fmadd_ps(a3, k3, _mm512_fmadd_ps(a2, k2, _mm512_fmadd_ps(a1, k1,
+                                                                                            _mm512_mul_ps(a0, k0))));
+            const __m512 y = _mm512_fmadd_ps(b3, k3, _mm512_fmadd_ps(b2, k2, _mm512_fmadd_ps(b1, k1,
+                                                                                            _mm512_mul_ps(b0, k0))));
+            s0[t] = _mm512_reduce_add_ps(x) * scale;
+            s1[t] = _mm512_reduce_add_ps(y) * scale;
+            if (s0[t] > mx0) mx0 = s0[t];
+            if (s1[t] > mx1) mx1 = s1[t];
+        }
+        const float c0 = m[2 * kv] == -INFINITY ? 0.0f : expf(m[2 * kv] - mx0);
+        const float c1 = m[2 * kv + 1] == -INFINITY ? 0.0f : expf(m[2 * kv + 1] - mx1);
+        float sum0 = 0.0f, sum1 = 0.0f;
+        long t = 0;
+        const __m256 m0v = _mm256_set1_ps(mx0), m1v = _mm256_set1_ps(mx1);
+        for (; t + 8 <= n; t += 8) {
+            const __m256 p0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s0 + t), m0v));
+            const __m256 p1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s1 + t), m1v));
+            _mm256_storeu_ps(s0 + t, p0);
+            _mm256_storeu_ps(s1 + t, p1);
+            sum0 += hsum(p0);
+            sum1 += hsum(p1);
+        }
+        for (; t < n; t++) {
+            s0[t] = expf(s0[t] - mx0); sum0 += s0[t];
+            s1[t] = expf(s1[t] - mx1); sum1 += s1[t];
+        }
+        l[2 * kv] = l[2 * kv] * c0 + sum0;
+        l[2 * kv + 1] = l[2 * kv + 1] * c1 + sum1;
+        m[2 * kv] = mx0;
+        m[2 * kv + 1] = mx1;
+        float *o0 = acc + 2 * kv * 64, *o1 = o0 + 64;
+        const __m512 cv0 = _mm512_set1_ps(c0), cv1 = _mm512_set1_ps(c1);
+        __m512 u0 = _mm512_mul_ps(_mm512_loadu_ps(o0), cv0), u1 = _mm512_mul_ps(_mm512_loadu_ps(o0 + 16), cv0),
+               u2 = _mm512_mul_ps(_mm512_loadu_ps(o0 + 32), cv0), u3 = _mm512_mul_ps(_mm512_loadu_ps(o0 + 48), cv0);
+        __m512 w0 = _mm512_mul_ps(_mm512_loadu_ps(o1), cv1), w1 = _mm512_mul_ps(_mm512_loadu_ps(o1 + 16), cv1),
+               w2 = _mm512_mul_ps(_mm512_loadu_ps(o1 + 32), cv1), w3 = _mm512_mul_ps(_mm512_loadu_ps(o1 + 48), cv1);
+        for (t = 0; t < n; t++) {
+            const float *v = V + t * row + kv * 64;
+            const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                         v3 = _mm512_loadu_ps(v + 48);
+            const __m512 p = _mm512_set1_ps(s0[t]), r = _mm512_set1_ps(s1[t]);
+            u0 = _mm512_fmadd_ps(p, v0, u0); u1 = _mm512_fmadd_ps(p, v1, u1);
+            u2 = _mm512_fmadd_ps(p, v2, u2); u3 = _mm512_fmadd_ps(p, v3, u3);
+            w0 = _mm512_fmadd_ps(r, v0, w0); w1 = _mm512_fmadd_ps(r, v1, w1);
+            w2 = _mm512_fmadd_ps(r, v2, w2); w3 = _mm512_fmadd_ps(r, v3, w3);
+        }
+        _mm512_storeu_ps(o0, u0); _mm512_storeu_ps(o0 + 16, u1); _mm512_storeu_ps(o0 + 32, u2);
+        _mm512_storeu_ps(o0 + 48, u3);
+        _mm512_storeu_ps(o1, w0); _mm512_storeu_ps(o1 + 16, w1); _mm512_storeu_ps(o1 + 32, w2);
+        _mm512_storeu_ps(o1 + 48, w3);
+    }
+}
+
 /* One sequence's attention state across its chunks. */
 struct chunked {
     float *K, *V;  /* [CHUNK, H, D] */
-    float *m, *l, *acc, *sc;  /* [Hq], [Hq], [Hq, D], [CHUNK] */
+    float *m, *l, *acc, *sc;  /* [Hq], [Hq], [Hq, D], [2 CHUNK] */
     long n;  /* rows in the current chunk */
 };
 
 static inline void flush(const moeray_quant_decode_args *a, const float *q, struct chunked *c) {
-    if (c->n) attend_chunk(q, c->K, c->V, c->n, a->Hq, a->H, a->D, a->scale, c->m, c->l, c->acc, c->sc);
+    if (c->n && a->D == 64 && a->Hq == 2 * a->H && moeray_isa_level >= 2)
+        attend_chunk_d64g2(q, c->K, c->V, c->n, a->H, a->scale, c->m, c->l, c->acc, c->sc);
+    else if (c->n)
+        attend_chunk(q, c->K, c->V, c->n, a->Hq, a->H, a->D, a->scale, c->m, c->l, c->acc, c->sc);
     c->n = 0;
 }
 
@@ -405,7 +479,7 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
        layer of every step) */
     static __thread float *scratch = NULL;
     static __thread size_t cap = 0;
-    const size_t need = (size_t)(2 * rows * row + 2 * Hq + Hq * D + CHUNK);
+    const size_t need = (size_t)(2 * rows * row + 2 * Hq + Hq * D + 2 * CHUNK);
     if (need > cap) {
         free(scratch);
         scratch = (float *)malloc(need * sizeof(float));

@@ -168,10 +168,19 @@ def test_dequant_rows_equal_dequantize_then_rope(d):
         quant_dequant_rows(pages, pg, sl, prof, cos, sin, pos0=cos.shape[0] - 3)
 
 
-def test_long_sequence_attended_in_chunks_matches_reference():
+@pytest.mark.parametrize("isa", [1, 2])
+@pytest.mark.parametrize("d,hq", [(32, 4), (64, 4), (64, 2)])
+def test_long_sequence_attended_in_chunks_matches_reference(d, hq, isa):
     """A sequence of more than 256 rows is attended in chunks with an online softmax (the dequantized rows stay
-    in cache), shorter ones whole in the same call: both equal the reference."""
-    args, kwargs, _, _ = _case(ctx_lens=[1100, 37], sink_lens=[2, 1], tail_lens=[3, 2], bits=3, d=32, seed=4,
-                               block_size=16, n_outlier=1, n_outlier_v=1)
-    out = quant_decode_attention(*args, **kwargs)
-    torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
+    in cache), shorter ones whole in the same call: both equal the reference (D = 64 with two query heads per KV
+    head takes the AVX-512 chunk loop, the others the AVX2 one)."""
+    from kernels.cpu import _build
+
+    prev = _build.set_isa(isa)
+    try:
+        args, kwargs, _, _ = _case(ctx_lens=[1100, 37], sink_lens=[2, 1], tail_lens=[3, 2], bits=3, d=d, hq=hq,
+                                   seed=4, block_size=16, n_outlier=1, n_outlier_v=1)
+        out = quant_decode_attention(*args, **kwargs)
+        torch.testing.assert_close(out, paged_decode_attention_ref(*args, **kwargs), atol=2e-5, rtol=1e-5)
+    finally:
+        _build.set_isa(prev)
