@@ -7,8 +7,9 @@
    (the per-channel uniform grid, or the key codebook), times k_scale plus k_zero, the outlier channels restored
    from fp16, then rotated by RoPE at their position (keys are stored before RoPE); values: v_codebook[code] times
    the token's scale (fp16, or with vs_lut an 8-bit log2 code looked up in vs_lut[256]) plus v_zero, outliers
-   restored.  Then attend_rows (decode_attention.c) attends the query
-   over the rows (a long sequence: in chunks with an online softmax, below).
+   restored.  Then
+   attend_rows (decode_attention.c) attends the query over the rows (a long sequence: in chunks with an online
+   softmax, below).
 
    Unpacking a token, three ways (the same arithmetic per element, so they agree up to fp32 rounding): with AVX-512
    and VBMI 16 channels a byte permute (`dequant_token16`), else with D % 16 == 0 8 channels a gather
@@ -510,9 +511,9 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
             }
             if (++c.n == cap_rows) flush(a, q, &c);
         }
-        for (long i = 0; i < a->ctx[b]; i++) {
-            unpack_token(a, &u, a->bt[b * a->mb + i / a->S], i % a->S, n_sink + i, c.K + c.n * row, c.V + c.n * row,
-                         buf);
+        for (long i = 0, pg = 0, sl = 0; i < a->ctx[b]; i++) {  /* page and slot counted, not divided (idiv) */
+            unpack_token(a, &u, a->bt[b * a->mb + pg], sl, n_sink + i, c.K + c.n * row, c.V + c.n * row, buf);
+            if (++sl == a->S) { sl = 0; pg++; }
             if (++c.n == cap_rows) flush(a, q, &c);
         }
         const long n_tail = a->tk || a->stk ? a->tlen[b] : 0;
