@@ -228,10 +228,13 @@ class QuantizedKVSequences:
         copies: list[tuple[int, int]] = []
         dec = []
         seals: dict[str, tuple[list, list, list, list]] = {}  # profile -> (slots, rows, pages, page slots)
-        for b in range(meta.decode_tokens.numel()):
-            first = int(meta.decode_block_tables[b, 0])
+        n_dec = meta.decode_tokens.numel()
+        firsts = meta.decode_block_tables[:, 0].tolist() if n_dec else []  # host ints once, not a tensor op a row
+        lengths_b = meta.decode_context_lens_host or meta.decode_context_lens.tolist()
+        for b in range(n_dec):
+            first = firsts[b]
             st = self._state(first)
-            length = int(meta.decode_context_lens[b])
+            length = lengths_b[b]
             p = length - 1
             q = self.tables.tokens(first)
             if p < ns + q and (p >= ns or q):
