@@ -7,8 +7,8 @@ rotates them itself (`kernels.cpu.quant_attention.StagedRows`); otherwise (the T
 reference) the tails are gathered and rotated here first, a [B, S, H, D] copy per layer. At 64 sequences that copy
 and its RoPE pass cost ~1.2 ms a step (4 layers, shipped model), the kernel's own unpacking ~1.2 ms.
 
-The mixin reads the cache's stage_k / stage_v, sink_tokens, views / _key / profiles, cos / sin, _decode_attention,
-_staged_kernel and _seal. Shape legend as actors/kv/quantized.py.
+The mixin reads the cache's stage_k / stage_v, sink_tokens, block_size, device, views / _key / profiles, cos / sin,
+_decode_attention, _staged_kernel and _seal. Shape legend as actors/kv/quantized.py.
 """
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class QuantizedDecode:
             self._seal(layer, name, sk[slots, rows], sv[slots, rows], pages, pslots)
         if self._staged_kernel and self._decode_staged(layer, q_THD, plan, scale, out):
             return  # the compiled kernel read the sink and tail rows where they lie
-        rows = plan["tail_rows"]
-        tail_k = _rope_rows(sk[slot[:, None], rows], plan["tail_cos"], plan["tail_sin"])  # [B, S, H, D]
+        rows, cos, sin = self._tail_rows(plan)
+        tail_k = _rope_rows(sk[slot[:, None], rows], cos, sin)  # [B, S, H, D]
         tail_v = sv[slot[:, None], rows].float()
         kw = {}
         for name, ix in plan["groups"].items():
@@ -56,6 +56,18 @@ class QuantizedDecode:
                 plan["context_lens"][ix], self.profiles[name].layers[layer], self.cos, self.sin, scale,
                 tail_k=tail_k[ix].contiguous(), tail_v=tail_v[ix].contiguous(), tail_lens=plan["tail_lens"][ix], **kw)
             out[tok[ix]] = o.to(out.dtype)
+
+    def _tail_rows(self, plan) -> tuple:
+        """(staging rows [B, S] of each decode sequence's tail, rows past tail_lens masked; their RoPE cos / sin
+        [B, S, D]) for the gathering path, made once per step and kept in the plan (the staged kernel needs none)."""
+        if "tail_rows" not in plan:
+            ns, s, dev = self.sink_tokens, self.block_size, self.device
+            sealed, sink = plan["context_lens"].long(), plan["sink_lens"].long()
+            ar = torch.arange(s, device=dev)[None, :]
+            plan["tail_rows"] = ((ns + sealed % s)[:, None] + ar).clamp(max=ns + s - 1)
+            pos = ((sink + sealed)[:, None] + ar).clamp(max=self.cos.shape[0] - 1)
+            plan["tail_cos"], plan["tail_sin"] = self.cos[pos], self.sin[pos]
+        return plan["tail_rows"], plan["tail_cos"], plan["tail_sin"]
 
     def _decode_staged(self, layer, q_THD, plan, scale, out) -> bool:
         """The decode sequences' attention by the compiled kernel reading this layer's staging rows in place (no

@@ -260,17 +260,12 @@ class QuantizedKVSequences:
             lengths = torch.tensor([x[2] for x in dec], dtype=torch.int64)
             sink_lens = lengths.clamp(max=ns)
             tail_lens = lengths - sink_lens - sealed
-            ar = torch.arange(s)[None, :]
-            tail_rows = (ns + sealed % s)[:, None] + ar  # [B, S]; rows past tail_lens are masked
-            tail_rows = tail_rows.clamp(max=ns + s - 1)
-            tail_pos = ((sink_lens + sealed)[:, None] + ar).clamp(max=self.cos.shape[0] - 1)
             ptabs = [self.tables.pages(x[5]) for x in dec]
             m = max(1, max(len(t) for t in ptabs))
             ptab = torch.tensor([list(t) + [0] * (m - len(t)) for t in ptabs], dtype=torch.int32)  # one tensor op
             groups: dict[str, list[int]] = {}
             for i, x in enumerate(dec):
                 groups.setdefault(x[1].profile, []).append(i)
-            tail_pos = tail_pos.to(dev)
             plan["decode"] = {
                 "tok": meta.decode_tokens.to(dev)[b_idx],
                 "slot": torch.tensor([x[1].slot for x in dec], device=dev),
@@ -279,8 +274,6 @@ class QuantizedKVSequences:
                 "context_lens": sealed.to(dev, torch.int32),
                 "sink_lens": sink_lens.to(dev, torch.int32),
                 "tail_lens": tail_lens.to(dev, torch.int32),
-                "tail_rows": tail_rows.to(dev),
-                "tail_cos": self.cos[tail_pos], "tail_sin": self.sin[tail_pos],
                 "groups": {n: torch.tensor(ix, device=dev) for n, ix in groups.items()},
                 "seals": {n: tuple(torch.tensor(v, dtype=torch.int64, device=dev) for v in g)
                           for n, g in seals.items()},
