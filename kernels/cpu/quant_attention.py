@@ -70,6 +70,33 @@ def _strides(pages: KVPages) -> list[int] | None:
     return out
 
 
+_LAYER_ARGS: dict[tuple, tuple] = {}  # ids of (pages, profile, cos, sin) -> (those objects, a prototype args struct)
+
+
+def _layer_args(pages: KVPages, strides: list[int], profile: KVQuantProfile, cf: torch.Tensor,
+                sf: torch.Tensor) -> QuantDecodeArgs:
+    """A fresh `QuantDecodeArgs` holding one layer's page, profile-table and RoPE-table fields (cf / sf: fp32
+    contiguous), copied from a prototype made once per (pages, profile, tables): both entry points fill in the rest.
+    The prototype's entry keeps those objects alive, so the pointers in it stay valid."""
+    key = (id(pages), id(profile), id(cf), id(sf))
+    hit = _LAYER_ARGS.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], (pages, profile, cf, sf))):
+        k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
+        proto = QuantDecodeArgs(
+            kc=pages.k_codes.data_ptr(), vc=pages.v_codes.data_ptr(), vs=pages.v_scale.data_ptr(),
+            ko=pages.k_outliers.data_ptr(), vo=pages.v_outliers.data_ptr(), skc=strides[0], svc=strides[1],
+            svs=strides[2], sko=strides[3], svo=strides[4], cosr=cf.data_ptr(), sinr=sf.data_ptr(),
+            k_scale=k_scale.data_ptr(), k_zero=k_zero.data_ptr(), v_zero=v_zero.data_ptr(), k_cb=k_cb.data_ptr(),
+            v_cb=v_cb.data_ptr(), kw=kw.data_ptr(), k_grid=grid, vbits=profile.bits, Pk=pages.k_codes.shape[-1],
+            P=pages.v_codes.shape[-1], k_oidx=k_oidx.data_ptr(), v_oidx=v_oidx.data_ptr(), Ok=k_oidx.shape[1],
+            Ov=v_oidx.shape[1], H=profile.num_kv_heads, D=profile.head_dim, S=pages.block_size, maxpos=cf.shape[0],
+            vs_lut=value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)
+        if len(_LAYER_ARGS) >= 1024:
+            _LAYER_ARGS.clear()
+        hit = _LAYER_ARGS[key] = ((pages, profile, cf, sf), proto)
+    return QuantDecodeArgs.from_buffer_copy(hit[1])
+
+
 def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
                            profile: KVQuantProfile, cos: torch.Tensor, sin: torch.Tensor, scale: float, *,
                            sink_k=None, sink_v=None, sink_lens=None, tail_k=None, tail_v=None,
@@ -109,7 +136,6 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
               else torch.full((b,), sk.shape[1], dtype=torch.int64)).contiguous()
     if tail_k is not None:
         tk, tv, tl = tail_k.float().contiguous(), tail_v.float().contiguous(), tail_lens.to(torch.int64).contiguous()
-    k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
     qf = q.float().contiguous()
     bt = block_tables.to(torch.int64).contiguous()
     cf, sf = cos.float().contiguous(), sin.float().contiguous()
@@ -119,17 +145,16 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
 
     def ptr(t):
         return None if t is None else t.data_ptr()
-    rc = lib.moeray_quant_decode_attention(ctypes.byref(QuantDecodeArgs(
-        qf.data_ptr(), pages.k_codes.data_ptr(), pages.v_codes.data_ptr(), pages.v_scale.data_ptr(),
-        pages.k_outliers.data_ptr(), pages.v_outliers.data_ptr(), *strides, bt.data_ptr(), bt.shape[1], ctx.data_ptr(),
-        cf.data_ptr(), sf.data_ptr(), ptr(sk), ptr(sv), ptr(sl),
-        staged.sink_rows if st is not None else 0 if sk is None else sk.shape[1], ptr(tk), ptr(tv),
-        ptr(tl), 0 if tk is None else tk.shape[1], k_scale.data_ptr(), k_zero.data_ptr(), v_zero.data_ptr(),
-        k_cb.data_ptr(), v_cb.data_ptr(), kw.data_ptr(), grid, profile.bits, pages.k_codes.shape[-1],
-        pages.v_codes.shape[-1], k_oidx.data_ptr(), v_oidx.data_ptr(), k_oidx.shape[1], v_oidx.shape[1],
-        out.data_ptr(), b, hq, h, d, pages.block_size, scale,
-        value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None,
-        *((None, None, None, 0, 1) if st is None else st), cos.shape[0])))
+    a = _layer_args(pages, strides, profile, cf, sf)
+    a.q, a.bt, a.mb, a.ctx, a.out, a.B, a.Hq, a.scale = qf.data_ptr(), bt.data_ptr(), bt.shape[1], ctx.data_ptr(), \
+        out.data_ptr(), b, hq, scale
+    a.slen, a.tlen = ptr(sl), ptr(tl)
+    if st is not None:
+        a.ns, (a.stk, a.stv, a.sslot, a.srows, a.sbs) = staged.sink_rows, st
+    else:
+        a.sk, a.sv, a.ns, a.tk, a.tv = ptr(sk), ptr(sv), 0 if sk is None else sk.shape[1], ptr(tk), ptr(tv)
+        a.nt, a.sbs = 0 if tk is None else tk.shape[1], 1
+    rc = lib.moeray_quant_decode_attention(ctypes.byref(a))
     if rc == -4:  # a rotated position beyond the table (the kernel checks before it writes anything)
         last = ctx + (sl if sl is not None else 0) + (tl if st is not None else 0)
         i = int(((last > 0) & (ctx > 0 if st is None else last > 0) & (last > cos.shape[0])).nonzero()[0])
@@ -199,20 +224,10 @@ def quant_dequant_rows(pages: KVPages, pages_n: torch.Tensor, slots_n: torch.Ten
     if strides is None:
         return None
     n = pages_n.numel()
-    k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
     pg, sl = pages_n.to(torch.int64).contiguous(), slots_n.to(torch.int64).contiguous()
     cf, sf = cos.float().contiguous(), sin.float().contiguous()
     K, V = torch.empty(n, h, d, dtype=torch.float32), torch.empty(n, h, d, dtype=torch.float32)
-    args = QuantDecodeArgs(
-        kc=pages.k_codes.data_ptr(), vc=pages.v_codes.data_ptr(), vs=pages.v_scale.data_ptr(),
-        ko=pages.k_outliers.data_ptr(), vo=pages.v_outliers.data_ptr(), skc=strides[0], svc=strides[1],
-        svs=strides[2], sko=strides[3], svo=strides[4], cosr=cf.data_ptr(), sinr=sf.data_ptr(),
-        k_scale=k_scale.data_ptr(), k_zero=k_zero.data_ptr(), v_zero=v_zero.data_ptr(), k_cb=k_cb.data_ptr(),
-        v_cb=v_cb.data_ptr(), kw=kw.data_ptr(), k_grid=grid, vbits=profile.bits, Pk=pages.k_codes.shape[-1],
-        P=pages.v_codes.shape[-1], k_oidx=k_oidx.data_ptr(), v_oidx=v_oidx.data_ptr(), Ok=k_oidx.shape[1],
-        Ov=v_oidx.shape[1], H=h, D=d, S=pages.block_size, maxpos=cos.shape[0],
-        vs_lut=value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)
-    rc = lib.moeray_quant_dequant_rows(ctypes.byref(args), pg.data_ptr(), sl.data_ptr(), n, pos0, K.data_ptr(),
+    rc = lib.moeray_quant_dequant_rows(ctypes.byref(_layer_args(pages, strides, profile, cf, sf)), pg.data_ptr(), sl.data_ptr(), n, pos0, K.data_ptr(),
                                        V.data_ptr()) if n else 0
     if rc == -4:
         raise ValueError(f"position {pos0 + n - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
