@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -202,28 +203,51 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, profile: KVQuantProfile) -> Qu
     )
 
 
-_QUANT_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its tables as kernels/csrc/kv_quantize.c reads them)
+class ProfileTables(NamedTuple):
+    """One layer profile's tensors as the compiled kernels read them (kernels/csrc/kv_quantize.c,
+    kernels/csrc/quant_decode_attention.c): k_scale, k_zero, v_zero [H, D] fp32; the key / value codebooks [L]
+    fp32 and their midpoints [L - 1] fp32 (as `nearest_level` computes them); key widths kw [H, D] int64 (`bits`
+    everywhere with a codebook); grid 1 with per-channel key widths; outlier channels [H, O] int64; the value
+    inlier mask [H, D] uint8."""
+
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_zero: torch.Tensor
+    k_cb: torch.Tensor
+    v_cb: torch.Tensor
+    kw: torch.Tensor
+    grid: int
+    k_oidx: torch.Tensor
+    v_oidx: torch.Tensor
+    k_mids: torch.Tensor
+    v_mids: torch.Tensor
+    v_inlier: torch.Tensor
 
 
-def _quant_tables(profile: KVQuantProfile) -> tuple:
-    """The profile's tensors for the compiled quantizer, made once per profile object: k_zero, k_scale, v_zero
-    [H, D] fp32, key widths [H, D] int64, key / value codebook midpoints (fp32, as `nearest_level` computes them),
-    the value inlier mask [H, D] uint8, outlier channels [H, O] int64."""
-    hit = _QUANT_TABLES.get(id(profile))
+_PROFILE_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its ProfileTables)
+
+
+def profile_tables(profile: KVQuantProfile) -> ProfileTables:
+    """`ProfileTables` of a layer profile, made once per profile object and kept with it (CPU tensors)."""
+    hit = _PROFILE_TABLES.get(id(profile))
     if hit is not None and hit[0] is profile:
         return hit[1]
     H, D = profile.num_kv_heads, profile.head_dim
-    kw = profile.k_bits if profile.per_channel_keys else torch.full((H, D), profile.bits)
+    grid = profile.per_channel_keys
+    kw = (profile.k_bits.to(torch.int64) if grid else torch.full((H, D), profile.bits, dtype=torch.int64)).contiguous()
+
+    def f32(x):
+        return x.to(torch.float32).contiguous()
 
     def mids(cb):
         return ((cb[1:] + cb[:-1]) * 0.5).float().contiguous()
-    t = (*(x.float().contiguous() for x in (profile.k_zero, profile.k_scale, profile.v_zero)),
-         kw.to(torch.int64).contiguous(), mids(profile.k_codebook), mids(profile.v_codebook),
-         _inlier_mask(profile.v_outlier_idx, D).to(torch.uint8).contiguous(),
-         profile.k_outlier_idx.to(torch.int64).contiguous(), profile.v_outlier_idx.to(torch.int64).contiguous())
-    if len(_QUANT_TABLES) >= 1024:
-        _QUANT_TABLES.clear()
-    _QUANT_TABLES[id(profile)] = (profile, t)
+    t = ProfileTables(f32(profile.k_scale), f32(profile.k_zero), f32(profile.v_zero), f32(profile.k_codebook),
+                      f32(profile.v_codebook), kw, int(grid), profile.k_outlier_idx.to(torch.int64).contiguous(),
+                      profile.v_outlier_idx.to(torch.int64).contiguous(), mids(profile.k_codebook),
+                      mids(profile.v_codebook), _inlier_mask(profile.v_outlier_idx, D).to(torch.uint8).contiguous())
+    if len(_PROFILE_TABLES) >= 1024:
+        _PROFILE_TABLES.clear()
+    _PROFILE_TABLES[id(profile)] = (profile, t)
     return t
 
 
@@ -238,10 +262,10 @@ def _compiled_quantize(kf: torch.Tensor, vf: torch.Tensor, profile: KVQuantProfi
     lib = _build.lib()
     if lib is None:
         return None
-    kz, ks, vz, kw, k_mids, v_mids, inlier, k_oidx, v_oidx = _quant_tables(profile)
+    t = profile_tables(profile)
     k, v = kf.contiguous(), vf.contiguous()
     n, h, d = k.shape
-    pk, p, ok, ov = profile.k_packed_bytes, profile.packed_bytes, k_oidx.shape[1], v_oidx.shape[1]
+    pk, p, ok, ov = profile.k_packed_bytes, profile.packed_bytes, t.k_oidx.shape[1], t.v_oidx.shape[1]
     eight = profile.v_scale_bits == 8
     out = QuantizedKV(k_codes=torch.empty(n, h, pk, dtype=torch.uint8), v_codes=torch.empty(n, h, p, dtype=torch.uint8),
                       v_scale=torch.empty(n, h, dtype=torch.uint8 if eight else torch.float16),
@@ -250,10 +274,10 @@ def _compiled_quantize(kf: torch.Tensor, vf: torch.Tensor, profile: KVQuantProfi
     codes = torch.empty(n, h, d, dtype=torch.int64)
     lut = value_scale_table() if eight else None
     lib.moeray_quantize_kv(ctypes.byref(QuantizeKVArgs(
-        k.data_ptr(), v.data_ptr(), n, h, d, kz.data_ptr(), ks.data_ptr(), vz.data_ptr(), kw.data_ptr(),
-        int(profile.per_channel_keys), k_mids.data_ptr(), k_mids.numel(), v_mids.data_ptr(), v_mids.numel(),
-        profile.bits, inlier.data_ptr(), None if lut is None else lut.data_ptr(), k_oidx.data_ptr(), ok,
-        v_oidx.data_ptr(), ov, out.k_codes.data_ptr(), pk, out.v_codes.data_ptr(), p,
+        k.data_ptr(), v.data_ptr(), n, h, d, t.k_zero.data_ptr(), t.k_scale.data_ptr(), t.v_zero.data_ptr(),
+        t.kw.data_ptr(), t.grid, t.k_mids.data_ptr(), t.k_mids.numel(), t.v_mids.data_ptr(), t.v_mids.numel(),
+        profile.bits, t.v_inlier.data_ptr(), None if lut is None else lut.data_ptr(), t.k_oidx.data_ptr(), ok,
+        t.v_oidx.data_ptr(), ov, out.k_codes.data_ptr(), pk, out.v_codes.data_ptr(), p,
         None if eight else out.v_scale.data_ptr(), out.v_scale.data_ptr() if eight else None,
         out.k_outliers.data_ptr(), out.v_outliers.data_ptr(), codes.data_ptr())))
     return out

@@ -19,29 +19,8 @@ from kernels.cpu import _build
 from kernels.cpu._abi import QuantDecodeArgs
 from kernels.kv_pages import KVPages
 from kernels.kv_profile import KVQuantProfile
-from kernels.kv_quant import value_scale_table
+from kernels.kv_quant import profile_tables, value_scale_table
 from kernels.paged_attention import _validate, paged_decode_attention_ref
-
-_PROFILE_TABLES: dict[int, tuple] = {}  # id(profile) -> (profile, its tables as the kernel reads them)
-
-
-def _tables(profile: KVQuantProfile) -> tuple:
-    """The profile's tensors as contiguous fp32 / int64 (made once per profile object, kept with it)."""
-    hit = _PROFILE_TABLES.get(id(profile))
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    H, D = profile.num_kv_heads, profile.head_dim
-    grid = profile.per_channel_keys
-    kw = (profile.k_bits.to(torch.int64) if grid else torch.full((H, D), profile.bits, dtype=torch.int64)).contiguous()
-    t = tuple(x.to(torch.float32).contiguous() for x in (profile.k_scale, profile.k_zero, profile.v_zero,
-                                                           profile.k_codebook, profile.v_codebook))
-    t += (kw, int(grid), profile.k_outlier_idx.to(torch.int64).contiguous(),
-          profile.v_outlier_idx.to(torch.int64).contiguous())
-    if len(_PROFILE_TABLES) >= 1024:
-        _PROFILE_TABLES.clear()
-    _PROFILE_TABLES[id(profile)] = (profile, t)
-    return t
-
 
 _PAGE_STRIDES: dict[int, tuple] = {}  # id(pages) -> (pages, its strides): a cache layer's views live as long as it
 
@@ -81,15 +60,16 @@ def _layer_args(pages: KVPages, strides: list[int], profile: KVQuantProfile, cf:
     key = (id(pages), id(profile), id(cf), id(sf))
     hit = _LAYER_ARGS.get(key)
     if hit is None or any(a is not b for a, b in zip(hit[0], (pages, profile, cf, sf))):
-        k_scale, k_zero, v_zero, k_cb, v_cb, kw, grid, k_oidx, v_oidx = _tables(profile)
+        t = profile_tables(profile)
         proto = QuantDecodeArgs(
             kc=pages.k_codes.data_ptr(), vc=pages.v_codes.data_ptr(), vs=pages.v_scale.data_ptr(),
             ko=pages.k_outliers.data_ptr(), vo=pages.v_outliers.data_ptr(), skc=strides[0], svc=strides[1],
             svs=strides[2], sko=strides[3], svo=strides[4], cosr=cf.data_ptr(), sinr=sf.data_ptr(),
-            k_scale=k_scale.data_ptr(), k_zero=k_zero.data_ptr(), v_zero=v_zero.data_ptr(), k_cb=k_cb.data_ptr(),
-            v_cb=v_cb.data_ptr(), kw=kw.data_ptr(), k_grid=grid, vbits=profile.bits, Pk=pages.k_codes.shape[-1],
-            P=pages.v_codes.shape[-1], k_oidx=k_oidx.data_ptr(), v_oidx=v_oidx.data_ptr(), Ok=k_oidx.shape[1],
-            Ov=v_oidx.shape[1], H=profile.num_kv_heads, D=profile.head_dim, S=pages.block_size, maxpos=cf.shape[0],
+            k_scale=t.k_scale.data_ptr(), k_zero=t.k_zero.data_ptr(), v_zero=t.v_zero.data_ptr(),
+            k_cb=t.k_cb.data_ptr(), v_cb=t.v_cb.data_ptr(), kw=t.kw.data_ptr(), k_grid=t.grid, vbits=profile.bits,
+            Pk=pages.k_codes.shape[-1], P=pages.v_codes.shape[-1], k_oidx=t.k_oidx.data_ptr(),
+            v_oidx=t.v_oidx.data_ptr(), Ok=t.k_oidx.shape[1], Ov=t.v_oidx.shape[1], H=profile.num_kv_heads,
+            D=profile.head_dim, S=pages.block_size, maxpos=cf.shape[0],
             vs_lut=value_scale_table().data_ptr() if pages.v_scale.dtype == torch.uint8 else None)
         if len(_LAYER_ARGS) >= 1024:
             _LAYER_ARGS.clear()
@@ -117,8 +97,8 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         return None
     if staged is not None and (sink_k is not None or tail_k is not None):
         raise ValueError("staged rows replace sink_k / sink_v / tail_k / tail_v: give one or the other")
-    b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin,
-                            sink_k, sink_v, None if staged else sink_lens, tail_k, tail_v, None if staged else tail_lens)
+    b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin, sink_k, sink_v,
+                            None if staged else sink_lens, tail_k, tail_v, None if staged else tail_lens)
     strides = _page_strides(pages)
     if strides is None:
         return None
@@ -227,8 +207,8 @@ def quant_dequant_rows(pages: KVPages, pages_n: torch.Tensor, slots_n: torch.Ten
     pg, sl = pages_n.to(torch.int64).contiguous(), slots_n.to(torch.int64).contiguous()
     cf, sf = cos.float().contiguous(), sin.float().contiguous()
     K, V = torch.empty(n, h, d, dtype=torch.float32), torch.empty(n, h, d, dtype=torch.float32)
-    rc = lib.moeray_quant_dequant_rows(ctypes.byref(_layer_args(pages, strides, profile, cf, sf)), pg.data_ptr(), sl.data_ptr(), n, pos0, K.data_ptr(),
-                                       V.data_ptr()) if n else 0
+    rc = lib.moeray_quant_dequant_rows(ctypes.byref(_layer_args(pages, strides, profile, cf, sf)), pg.data_ptr(),
+                                       sl.data_ptr(), n, pos0, K.data_ptr(), V.data_ptr()) if n else 0
     if rc == -4:
         raise ValueError(f"position {pos0 + n - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     if rc == -3:
