@@ -302,35 +302,23 @@ class QuantizedPagedKVCache(QuantizedKVSizes, QuantizedKVSequences, QuantizedDec
             r = ns + q_new % s
             sk[r:r + rest] = k_open[n_seal:].to(sk.dtype)
             sv[r:r + rest] = v_open[n_seal:].to(sv.dtype)
-        n_sink = min(ns, ctx)
-        # the sealed tokens dequantized and rotated in one compiled pass (no page read-back, no PyTorch dequantize)
-        got = quant_dequant_rows(self.views[self._key[st.profile]][layer], *read_at, prof, self.cos, self.sin,
-                                 ns) if q_new and self._staged_kernel else None
-        if got is not None:
-            return self._prefill_attend(q_nHD, sk, sv, k_open, v_open, got, ctx, p0, q_old, n_seal, scale)
-        # keys/values of all ctx positions, pre-RoPE, in full precision where still available and dequantized
-        # where sealed
-        if q_new:
+        # the sealed tokens dequantized and rotated: one compiled pass (no page read-back, no PyTorch dequantize),
+        # else PyTorch ops
+        sealed = quant_dequant_rows(self.views[self._key[st.profile]][layer], *read_at, prof, self.cos, self.sin,
+                                    ns) if q_new and self._staged_kernel else None
+        if sealed is None and q_new:
             qkv = self.views[self._key[st.profile]][layer].read(*read_at)
-            k_dq_sealed = dequantize_keys(qkv.k_codes, qkv.k_outliers, prof)
-            v_dq_sealed = dequantize_values(qkv.v_codes, qkv.v_scale, qkv.v_outliers, prof)
-        else:
-            k_dq_sealed = v_dq_sealed = torch.zeros(0, h, d, device=self.device)
-        k_sink, v_sink = sk[:n_sink].float(), sv[:n_sink].float()
-        k_fp = torch.cat([k_sink, k_dq_sealed[:q_old], k_open])  # q_old tokens have no full-precision copy left
-        v_fp = torch.cat([v_sink, v_dq_sealed[:q_old], v_open])
-        k_dq = torch.cat([k_sink, k_dq_sealed, k_open[n_seal:]])
-        v_dq = torch.cat([v_sink, v_dq_sealed, v_open[n_seal:]])
-        pos = torch.arange(ctx, device=self.device)
-        cos, sin = self.cos[pos], self.sin[pos]
-        q_pos = torch.arange(p0, ctx, device=self.device)
-        quant_hi = ns + torch.clamp((q_pos + 1 - ns).clamp(min=0) // s * s, min=q_old)
-        return mixed_causal_attention(q_nHD, apply_rope(k_fp, cos, sin), v_fp, apply_rope(k_dq, cos, sin), v_dq,
-                                      q_pos, ns, quant_hi, scale)
+            pos = torch.arange(ns, ns + q_new, device=self.device)
+            sealed = (apply_rope(dequantize_keys(qkv.k_codes, qkv.k_outliers, prof), self.cos[pos], self.sin[pos]),
+                      dequantize_values(qkv.v_codes, qkv.v_scale, qkv.v_outliers, prof))
+        elif sealed is None:
+            sealed = (torch.zeros(0, h, d, device=self.device),) * 2
+        return self._prefill_attend(q_nHD, sk, sv, k_open, v_open, sealed, ctx, p0, q_old, n_seal, scale)
 
     def _prefill_attend(self, q_nHD, sk, sv, k_open, v_open, sealed, ctx, p0, q_old, n_seal, scale) -> torch.Tensor:
-        """`_prefill`'s attention when the sealed tokens came dequantized and rotated (`quant_dequant_rows`):
-        only the sink and open rows are rotated here."""
+        """`_prefill`'s attention, the sealed tokens given dequantized and rotated (keys [q_new, H, D] at positions
+        Ns .., values): the sink and open rows are rotated here, and each query reads a position dequantized where
+        decode would (`mixed_causal_attention`)."""
         ns, s = self.sink_tokens, self.block_size
         n_sink = min(ns, ctx)
         k_rot, v_sealed = sealed  # [q_new, H, D], positions ns ..
