@@ -83,34 +83,30 @@ static inline void store_codes8(long *out, __m256i c) {
 
 void moeray_quantize_kv(const moeray_quantize_kv_args *a) {
     const long N = a->N, H = a->H, D = a->D, row = H * D;
-    /* keys: 8 elements a vector (the same IEEE operations as the scalar loop below, rounding ties to even) */
-    long i0 = 0;
-    if (row % 8 == 0 && (a->k_grid || a->nk <= 15)) {
-        const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-1.0f), half = _mm256_set1_ps(0.5f);
-        for (long n = 0; n < N; n++)
-            for (long i = 0; i < row; i += 8) {
-                const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(a->k + n * row + i),
-                                                             _mm256_loadu_ps(a->k_zero + i)),
-                                               _mm256_loadu_ps(a->k_scale + i));
-                __m256i c;
-                if (a->k_grid) {
-                    const __m128i w0 = widths4(a->kw + i), w1 = widths4(a->kw + i + 4);
-                    const __m256i w = _mm256_set_m128i(w1, w0);
-                    const __m256 top = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(1), w),
-                                                                           _mm256_set1_epi32(1)));
-                    const __m256 y = _mm256_min_ps(_mm256_max_ps(x, neg), one);
-                    const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(y, one), half), top),
-                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                    c = _mm256_cvtps_epi32(_mm256_min_ps(r, top));
-                } else {
-                    c = below8(a->k_mids, a->nk, x);
-                }
-                store_codes8(a->codes + n * row + i, c);
+    /* keys: 8 elements a vector, the rest one at a time (the same IEEE operations; rounding ties to even) */
+    const int vec = a->k_grid || a->nk <= 15;
+    const __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-1.0f), half = _mm256_set1_ps(0.5f);
+    for (long n = 0; n < N; n++) {
+        long i = 0;
+        for (; vec && i + 8 <= row; i += 8) {
+            const __m256 x = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(a->k + n * row + i),
+                                                         _mm256_loadu_ps(a->k_zero + i)),
+                                           _mm256_loadu_ps(a->k_scale + i));
+            __m256i c;
+            if (a->k_grid) {
+                const __m256i w = _mm256_set_m128i(widths4(a->kw + i + 4), widths4(a->kw + i));
+                const __m256 top = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(1), w),
+                                                                       _mm256_set1_epi32(1)));
+                const __m256 y = _mm256_min_ps(_mm256_max_ps(x, neg), one);
+                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_add_ps(y, one), half), top),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                c = _mm256_cvtps_epi32(_mm256_min_ps(r, top));
+            } else {
+                c = below8(a->k_mids, a->nk, x);
             }
-        i0 = N;  /* every token done */
-    }
-    for (long n = i0; n < N; n++)
-        for (long i = 0; i < row; i++) {
+            store_codes8(a->codes + n * row + i, c);
+        }
+        for (; i < row; i++) {
             const float x = (a->k[n * row + i] - a->k_zero[i]) / a->k_scale[i];
             long c;
             if (a->k_grid) {
@@ -123,6 +119,7 @@ void moeray_quantize_kv(const moeray_quantize_kv_args *a) {
             }
             a->codes[n * row + i] = c;
         }
+    }
     moeray_pack_codes_var(a->codes, N, H, D, a->kw, a->Pk, a->k_codes);
     /* values */
     long vw[1024];
