@@ -22,21 +22,9 @@ from kernels.kv_profile import KVQuantProfile
 from kernels.kv_quant import profile_tables, value_scale_table
 from kernels.paged_attention import _validate, paged_decode_attention_ref
 
-_PAGE_STRIDES: dict[int, tuple] = {}  # id(pages) -> (pages, its strides): a cache layer's views live as long as it
-
 
 def _page_strides(pages: KVPages) -> list[int] | None:
     """Each field's page stride (in its elements) when its inner dimensions are dense on the CPU; else None."""
-    hit = _PAGE_STRIDES.get(id(pages))
-    if hit is not None and hit[0] is pages:
-        return hit[1]
-    if len(_PAGE_STRIDES) >= 1024:
-        _PAGE_STRIDES.clear()
-    _PAGE_STRIDES[id(pages)] = (pages, _strides(pages))
-    return _PAGE_STRIDES[id(pages)][1]
-
-
-def _strides(pages: KVPages) -> list[int] | None:
     out = []
     for t in (pages.k_codes, pages.v_codes, pages.v_scale, pages.k_outliers, pages.v_outliers):
         dense, s = True, 1
@@ -52,16 +40,16 @@ def _strides(pages: KVPages) -> list[int] | None:
 _LAYER_ARGS: dict[tuple, tuple] = {}  # ids of (pages, profile, cos, sin) -> (those objects, a prototype args struct)
 
 
-def _layer_args(pages: KVPages, strides: list[int], profile: KVQuantProfile, cf: torch.Tensor,
-                sf: torch.Tensor) -> QuantDecodeArgs:
+def _layer_args(pages: KVPages, profile: KVQuantProfile, cf: torch.Tensor, sf: torch.Tensor) -> QuantDecodeArgs | None:
     """A fresh `QuantDecodeArgs` holding one layer's page, profile-table and RoPE-table fields (cf / sf: fp32
     contiguous), copied from a prototype made once per (pages, profile, tables): both entry points fill in the rest.
-    The prototype's entry keeps those objects alive, so the pointers in it stay valid."""
+    None when the kernel cannot read the pages (`_page_strides`). The prototype's entry keeps those objects alive, so
+    the pointers in it stay valid."""
     key = (id(pages), id(profile), id(cf), id(sf))
     hit = _LAYER_ARGS.get(key)
     if hit is None or any(a is not b for a, b in zip(hit[0], (pages, profile, cf, sf))):
-        t = profile_tables(profile)
-        proto = QuantDecodeArgs(
+        t, strides = profile_tables(profile), _page_strides(pages)
+        proto = None if strides is None else QuantDecodeArgs(
             kc=pages.k_codes.data_ptr(), vc=pages.v_codes.data_ptr(), vs=pages.v_scale.data_ptr(),
             ko=pages.k_outliers.data_ptr(), vo=pages.v_outliers.data_ptr(), skc=strides[0], svc=strides[1],
             svs=strides[2], sko=strides[3], svo=strides[4], cosr=cf.data_ptr(), sinr=sf.data_ptr(),
@@ -74,7 +62,7 @@ def _layer_args(pages: KVPages, strides: list[int], profile: KVQuantProfile, cf:
         if len(_LAYER_ARGS) >= 1024:
             _LAYER_ARGS.clear()
         hit = _LAYER_ARGS[key] = ((pages, profile, cf, sf), proto)
-    return QuantDecodeArgs.from_buffer_copy(hit[1])
+    return None if hit[1] is None else QuantDecodeArgs.from_buffer_copy(hit[1])
 
 
 def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -99,8 +87,9 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         raise ValueError("staged rows replace sink_k / sink_v / tail_k / tail_v: give one or the other")
     b, hq, h, d = _validate(q, pages, block_tables, context_lens, profile, cos, sin, sink_k, sink_v,
                             None if staged else sink_lens, tail_k, tail_v, None if staged else tail_lens)
-    strides = _page_strides(pages)
-    if strides is None:
+    cf, sf = cos.float().contiguous(), sin.float().contiguous()
+    a = _layer_args(pages, profile, cf, sf)
+    if a is None:
         return None
     ctx = context_lens.to(torch.int64).contiguous()
     sk = sv = sl = tk = tv = tl = None
@@ -118,14 +107,12 @@ def quant_decode_attention(q: torch.Tensor, pages: KVPages, block_tables: torch.
         tk, tv, tl = tail_k.float().contiguous(), tail_v.float().contiguous(), tail_lens.to(torch.int64).contiguous()
     qf = q.float().contiguous()
     bt = block_tables.to(torch.int64).contiguous()
-    cf, sf = cos.float().contiguous(), sin.float().contiguous()
     out = torch.empty(b, hq, d, dtype=torch.float32)
     if b == 0:
         return out.to(q.dtype)
 
     def ptr(t):
         return None if t is None else t.data_ptr()
-    a = _layer_args(pages, strides, profile, cf, sf)
     a.q, a.bt, a.mb, a.ctx, a.out, a.B, a.Hq, a.scale = qf.data_ptr(), bt.data_ptr(), bt.shape[1], ctx.data_ptr(), \
         out.data_ptr(), b, hq, scale
     a.slen, a.tlen = ptr(sl), ptr(tl)
@@ -200,15 +187,15 @@ def quant_dequant_rows(pages: KVPages, pages_n: torch.Tensor, slots_n: torch.Ten
     h, d = profile.num_kv_heads, profile.head_dim
     if lib is None or cos.device.type != "cpu" or d > 1024:
         return None
-    strides = _page_strides(pages)
-    if strides is None:
+    cf, sf = cos.float().contiguous(), sin.float().contiguous()
+    a = _layer_args(pages, profile, cf, sf)
+    if a is None:
         return None
     n = pages_n.numel()
     pg, sl = pages_n.to(torch.int64).contiguous(), slots_n.to(torch.int64).contiguous()
-    cf, sf = cos.float().contiguous(), sin.float().contiguous()
     K, V = torch.empty(n, h, d, dtype=torch.float32), torch.empty(n, h, d, dtype=torch.float32)
-    rc = lib.moeray_quant_dequant_rows(ctypes.byref(_layer_args(pages, strides, profile, cf, sf)), pg.data_ptr(),
-                                       sl.data_ptr(), n, pos0, K.data_ptr(), V.data_ptr()) if n else 0
+    rc = lib.moeray_quant_dequant_rows(ctypes.byref(a), pg.data_ptr(), sl.data_ptr(), n, pos0, K.data_ptr(),
+                                       V.data_ptr()) if n else 0
     if rc == -4:
         raise ValueError(f"position {pos0 + n - 1} exceeds the RoPE table (max_pos={cos.shape[0]})")
     if rc == -3:
