@@ -26,6 +26,8 @@ Rows:
   kivi<b>        KIVI-style uniform b-bit (arXiv 2402.02750): post-RoPE keys per channel over groups of 32
                  tokens, values per token over groups of 32 channels, fp16 scale + zero per group (b + 1
                  bits); the incomplete group stays in full precision
+                 kivi5 / kivi6 / kivi8 (codes one per byte, counted at their width) run only when named in `--rows`:
+                 the fidelity ladder, what KLD and same-top-1 a uniform cache reaches at each width on this model
   kivi<b>-m      the same at matched bits: key groups of 128 tokens, value groups of 64 channels (b + 0.375)
   ours<b>        KVQuant-style (arXiv 2401.18079), the shipped recipe `actors.kv.calibration.RECOMMENDED_FIT_OPTIONS`
                  through `QuantizedPagedKVCache`: b-bit codes for keys AND values ("b-bit configuration"), pre-RoPE
@@ -111,6 +113,7 @@ SENS_WINDOWS = 4  # calibration windows the layer-width sensitivity is measured 
 TAIL_FROM = 1024  # KLD / same-top-1 of positions >= this are also reported apart in longer windows
 DEPTHS = tuple(round(0.1 + i * 0.8 / 9, 4) for i in range(10))  # 10 depths, 10% .. 90% of the context
 RETRIEVAL_NEW_TOKENS = 6  # greedy tokens at most: a 5-digit answer is 2-4 tokens here, then "."
+LADDER_BITS = (5, 6, 8)  # KIVI rows wider than the cache's codes: run only when named in --rows
 RETRIEVAL_ROWS = ("fp16-kv", "ours2", "ours3", "ours4", "kivi2-m", "kivi3-m")
 # (row suffix, changes to the recipe, sink tokens or None for the recipe's)
 ABLATIONS = [
@@ -274,7 +277,7 @@ def main(argv=None) -> int:
         return sum(c.eff_bits) / len(c.eff_bits)
 
     evaluate("fp16-kv", 16, lambda dom: fp_cache, lambda dom, c: 16.0)
-    for bits in (2, 3, 4):
+    for bits in (2, 3, 4) + tuple(b for b in LADDER_BITS if a.rows and f"kivi{b}" in a.rows):
         evaluate(f"kivi{bits}", bits, lambda dom, b=bits: KiviCache(b, max_tokens=maxt), kivi_bits)
     for bits in (2, 3):
         evaluate(f"kivi{bits}-m", bits, lambda dom, b=bits: KiviCache(b, *KIVI_MATCHED, max_tokens=maxt), kivi_bits)

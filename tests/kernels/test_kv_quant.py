@@ -209,6 +209,22 @@ def test_kivi_baseline(bits):
         kivi_quantize(k, v, bits=bits, group_size=48)
 
 
+@pytest.mark.parametrize("bits", [5, 6, 8])
+def test_kivi_wide_codes(bits):
+    """5-8 bit codes (the fidelity ladder's rows) are stored one per byte but counted at their width; the error
+    halves with each bit (a uniform grid's step)."""
+    k, v = _kv(64)
+    q = kivi_quantize(k, v, bits=bits, group_size=32)
+    assert q.k_codes.shape == k.shape and int(q.k_codes.max()) == (1 << bits) - 1
+    assert q.effective_bits() == pytest.approx(bits + 1.0)
+    k_hat, v_hat = kivi_dequantize(q)
+    k4, v4 = kivi_dequantize(kivi_quantize(k, v, bits=4, group_size=32))
+    assert _rel_err(k_hat, k) < _rel_err(k4, k) / 2 ** (bits - 4) * 1.3
+    assert _rel_err(v_hat, v) < _rel_err(v4, v) / 2 ** (bits - 4) * 1.3
+    with pytest.raises(ValueError, match="bits=9"):
+        kivi_quantize(k, v, bits=9, group_size=32)
+
+
 def test_kivi_matched_bits_groups():
     """Key groups of 128 tokens and value groups of 64 channels: bits + 16/128/2 + 16/64/2 = bits + 0.375."""
     k, v = _kv(256)
