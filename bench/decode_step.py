@@ -88,6 +88,7 @@ def instrument(reg: Regions) -> None:
     patch(eng_mod, "sample", "sample")
     patch(eng_mod.RankEngine, "_append", "append+detok")
     patch(model.MoEModel, "forward", "forward")
+    patch(model.MoEModel, "attention_block", "attention_block")
     patch(model.MoEModel, "attention", "attention")
     patch(model.MoEModel, "moe", "moe")
     patch(model.MoEModel, "logits", "lm_head")

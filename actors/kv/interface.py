@@ -38,3 +38,10 @@ class KVCache:
     def attend(self, layer: int, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                positions_T: torch.Tensor, meta, rotary, scale: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def fp_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This layer's K / V pages [N, S, Hkv, Dh] when `attend` is exactly "write RoPE(k) and v at
+        `meta.slot_mapping` in them (keys post-RoPE, compute dtype), then paged attention over them", so that a
+        caller may do both itself in one compiled call (`kernels.cpu.attention_block`); None (the default) for a
+        cache that stores anything else (quantized pages, per-sequence state)."""
+        return None

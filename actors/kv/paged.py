@@ -47,6 +47,9 @@ class PagedKVCache(KVCache):
         self.k[layer].view(-1, H, D)[slots_T] = k_THD
         self.v[layer].view(-1, H, D)[slots_T] = v_THD
 
+    def fp_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
     def attend(self, layer, q_THD, k_THD, v_THD, positions_T, meta, rotary, scale):
         self.write(layer, rotary.apply(k_THD, positions_T), v_THD, meta.slot_mapping)
         return paged_attention(q_THD, self.k[layer], self.v[layer], meta, scale)

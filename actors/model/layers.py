@@ -18,7 +18,8 @@ class Rotary:
     rotate_half(x) * sin is computed as roll(x, Dh/2) * [-sin_a, sin_b] (the sign folded into the table),
     and the last positions tensor's rows are reused, so the q and k of every layer in one step gather the
     tables once (decode is bound by per-op overhead). fp32 on CPU with the compiled kernels: one call
-    (`kernels.cpu.rope`) that reads the tables at each position, no gather.
+    (`kernels.cpu.rope`) that reads the tables at each position, no gather. `cos` / `sin_signed` [max_pos, Dh]: the
+    tables those kernels read (sin_signed: the first half negated).
     """
 
     def __init__(self, head_dim: int, theta: float, max_pos: int, dtype: torch.dtype, device=None):
@@ -26,7 +27,7 @@ class Rotary:
         self.cos = cos.to(dtype)
         self.sin = sin.to(dtype)
         self.half = head_dim // 2
-        self._sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=1).to(dtype)
+        self.sin_signed = torch.cat([-sin[:, : self.half], sin[:, self.half :]], dim=1).to(dtype)
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin_signed)
 
     def tables(self, positions_T: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +36,7 @@ class Rotary:
         if last is not None and last[0] is positions_T:
             return last[1], last[2]
         cos = self.cos.index_select(0, positions_T).unsqueeze(1)
-        sin = self._sin_signed.index_select(0, positions_T).unsqueeze(1)
+        sin = self.sin_signed.index_select(0, positions_T).unsqueeze(1)
         self._last = (positions_T, cos, sin)
         return cos, sin
 
@@ -44,7 +45,7 @@ class Rotary:
 
         Raises:
             IndexError: a position beyond the tables (max_pos)."""
-        out = rope(x_THD, self.cos, self._sin_signed, positions_T)
+        out = rope(x_THD, self.cos, self.sin_signed, positions_T)
         if out is not None:
             return out
         cos, sin = self.tables(positions_T)

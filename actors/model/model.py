@@ -33,6 +33,7 @@ from actors.moe.experts import Experts
 from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
 from kernels.cpu import linear
+from kernels.cpu.attention_block import attention_block
 from kernels.cpu.routing import select_experts
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
@@ -187,6 +188,24 @@ class MoEModel:
         o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
         return linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
+    def attention_block(self, l: int, x_TD: torch.Tensor, h_TD: torch.Tensor, positions_T: torch.Tensor,
+                        cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer l's attention, residual add and post-attention norm of a decode-only step in one compiled call
+        (`kernels.cpu.attention_block`: bit-identical to `attention` then `rms_norm(..., residual=h)`): (h, x), each
+        [T, D]; None where it does not apply (prefills in the step, q/k norms or clipping, a cache without
+        full-precision pages, other dtypes or devices), and the caller runs the layer op by op."""
+        cfg = self.cfg
+        if meta.prefills or cfg.qk_norm != "none" or cfg.clip_qkv is not None or self.device.type != "cpu":
+            return None
+        pages = cache.fp_pages(l)
+        if pages is None:
+            return None
+        w, p, r = self.w, f"layers.{l}.", self.rotary
+        return attention_block(x_TD, h_TD, w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"], w.get(p + "o_b"),
+                               w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed, positions_T, *pages,
+                               meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
+                               meta.decode_context_lens, cfg.num_heads, self.scale)
+
     def moe(self, l: int, x_TD: torch.Tensor, ctx: StepContext = NO_CONTEXT,
             observer: RoutingObserver = NO_OBSERVER) -> torch.Tensor:
         """Routed experts (+ shared expert) of MoE layer l. Ids of -1 (policies with fewer experts for
@@ -253,8 +272,11 @@ class MoEModel:
         x = rms_norm(h, w["layers.0.input_norm"], eps)
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
-            # residual add + the next norm in one call (`kernels.cpu.rms_norm`)
-            h, x = rms_norm(self.attention(l, x, positions_T, cache, meta), w[p + "post_norm"], eps, residual=h)
+            # residual add + the next norm in one call (`kernels.cpu.rms_norm`); a decode step's whole attention
+            # block in one where it applies (`attention_block`)
+            hx = self.attention_block(l, x, h, positions_T, cache, meta)
+            h, x = hx if hx is not None else rms_norm(self.attention(l, x, positions_T, cache, meta),
+                                                      w[p + "post_norm"], eps, residual=h)
             if cfg.moe_layers[l]:
                 observer.on_hidden(l, h)
                 y = self.moe(l, x, ctx, observer)

@@ -38,6 +38,13 @@ class DecodeAttentionArgs(ctypes.Structure):
     _fields_ = _fields("P q, P kc, P vc, P bt, L mb, P ctx, P tok, P out, L B, L H, L Hkv, L Dh, L S, F scale")
 
 
+class AttentionBlockArgs(ctypes.Structure):
+    """`moeray_attention_block_args` (kernels/csrc/attention_block.c)."""
+    _fields_ = _fields("P x, P h, P h_out, P x_out, L T, L D, P wqkv, P wqkv_p, P bqkv, P wo, P wo_p, P bo, P norm_w, "
+                       "F eps, P cos, P sin_signed, L P, P pos, P kc, P vc, L nslots, P slots, P bt, L mb, P ctx, "
+                       "P tok, L B, L H, L Hkv, L Dh, L S, F scale")
+
+
 class PrefillAttentionArgs(ctypes.Structure):
     """`moeray_prefill_attention_args` (kernels/csrc/prefill_attention.c): one task of a causal prefill."""
     _fields_ = _fields("P q, P kc, P vc, P bt, P kf, P vf, P hi, P out, L n, L ctx, L H, L Hkv, L Dh, L S, L lo, "
@@ -138,6 +145,7 @@ SIGNATURES = {
     "moeray_pool_park": ([], None),
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
+    "moeray_attention_block": (_ptr(AttentionBlockArgs), _L),
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
     "moeray_quant_decode_attention": (_ptr(QuantDecodeArgs), _L),
     "moeray_quantize_kv": (_ptr(QuantizeKVArgs), None),

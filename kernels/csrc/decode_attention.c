@@ -3,6 +3,7 @@
    KV head at once, the V sum in registers; AVX2: one head at a time. */
 #include <stdlib.h>
 #include "gemm.h"
+#include "entry_points.h"
 
 #define AI __attribute__((always_inline)) static inline
 #define T512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
@@ -223,12 +224,7 @@ long attend_rows(const float *q, const float *k, const float *v, long n, long H,
     return decode_attention(q, k, v, &bt, 1, &ctx, &tok, out, 1, H, Hkv, Dh, n > 0 ? n : 1, scale);
 }
 
-/* Entry point: decode_attention's arguments as one struct (kernels/cpu/_abi.py: DecodeAttentionArgs). */
-typedef struct {
-    const float *q, *kc, *vc; const long *bt; long mb; const long *ctx, *tok; float *out;
-    long B, H, Hkv, Dh, S; float scale;
-} moeray_decode_attention_args;
-
+/* Entry point: decode_attention's arguments as one struct (moeray_decode_attention_args, entry_points.h). */
 long moeray_decode_attention(const moeray_decode_attention_args *a) {
     return decode_attention(a->q, a->kc, a->vc, a->bt, a->mb, a->ctx, a->tok, a->out, a->B, a->H, a->Hkv, a->Dh,
                             a->S, a->scale);

@@ -1,5 +1,6 @@
 /* RMSNorm over fp32 rows, optionally after a residual add (one pass each). */
 #include "common.h"
+#include "entry_points.h"
 
 /* if delta: h_out = h + delta (written to h_out), normed = that; else normed = h.  y = w * (v / rms(v)). */
 static void rms_norm(const float *h, long sh, const float *delta, long sd, float *h_out, long so,
@@ -31,12 +32,7 @@ static void rms_norm(const float *h, long sh, const float *delta, long sd, float
     }
 }
 
-/* Entry point: rms_norm's arguments as one struct (mirrored by kernels/cpu/_abi.py: RmsNormArgs). */
-typedef struct {
-    const float *h; long sh; const float *delta; long sd; float *h_out; long so;
-    const float *w; float *y; long sy; long M, D; float eps;
-} moeray_rms_norm_args;
-
+/* Entry point: rms_norm's arguments as one struct (moeray_rms_norm_args, entry_points.h). */
 void moeray_rms_norm(const moeray_rms_norm_args *a) {
     rms_norm(a->h, a->sh, a->delta, a->sd, a->h_out, a->so, a->w, a->y, a->sy, a->M, a->D, a->eps);
 }

@@ -1,5 +1,6 @@
 /* Rotary position embedding (rotate-half, HF Llama/Qwen) of fp32 rows in one pass, tables indexed in place. */
 #include "common.h"
+#include "entry_points.h"
 
 /* out[t, h, d] = x[t, h, d] * cos[p, d] + x[t, h, (d + Dh/2) % Dh] * sin_signed[p, d], p = pos[t]; x rows have
    strides st (token) and sh (head), unit stride along d; cos / sin_signed [P, Dh] contiguous (sin_signed: the

@@ -1,0 +1,103 @@
+"""The attention half of a decoder layer for a decode step in one compiled call (kernels/csrc/attention_block.c).
+
+Shape legend: T = tokens of the step (one per decode sequence), D = hidden, H = query heads, Hkv = KV heads,
+Dh = head_dim, N = (H + 2 Hkv) Dh, NB = cache blocks, S = block size, MB = blocks per block table, P = RoPE positions.
+
+What the call does is what `MoEModel.attention` followed by the post-attention `rms_norm` does on that step with the
+compiled kernels (fused q/k/v linear, RoPE of q and k, the K / V cache write, paged decode attention, the output
+linear, residual add and RMSNorm), through the same kernels in the same order, so the result is bit-identical; it
+only drops the Python between them. It applies where each of those steps would take its compiled kernel on one
+thread: fp32 activations on CPU, bf16 weights, fp32 post-RoPE K / V pages, a decode-only step whose rows are not
+split over compute threads (`kernels.cpu.parallel.row_ranges`). Elsewhere `attention_block` returns None and the
+caller runs the layer op by op.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import tuning
+from kernels.cpu import _build
+from kernels.cpu._abi import AttentionBlockArgs, f32_cpu
+from kernels.cpu.packing import panels
+from kernels.cpu.parallel import row_ranges
+
+_I64 = torch.int64
+
+
+def _bf16_matrix(w: torch.Tensor) -> bool:
+    return w.dtype is torch.bfloat16 and w.dim() == 2 and w.is_contiguous() and w.device.type == "cpu"
+
+
+def _bias_ok(b: torch.Tensor | None, n: int) -> bool:
+    return b is None or (f32_cpu(b) and b.shape == (n,) and b.is_contiguous())
+
+
+def _i64(*ts: torch.Tensor) -> bool:
+    for t in ts:
+        if t.dtype is not _I64 or t.device.type != "cpu" or not t.is_contiguous():
+            return False
+    return True
+
+
+def attention_block(x_TD: torch.Tensor, h_TD: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                    w_o: torch.Tensor, b_o: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                    cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots_T: torch.Tensor, tokens_B: torch.Tensor,
+                    block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor, num_heads: int, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One decode step's attention block of a layer: (h_out, x_out), each [T, D] fp32.
+
+    h_out = h + (attention(RoPE(q)) Wo^T + b_o), x_out = RMSNorm(h_out) * norm_w, where q, k, v = x Wqkv^T + b_qkv;
+    RoPE(k) and v are written to the cache rows `slots_T` first (each token sees itself), as
+    `actors.kv.paged.PagedKVCache.attend` does.
+
+    Args:
+        x_TD: [T, D] fp32 contiguous, the layer's normed input. h_TD: [T, D] fp32 contiguous, its residual stream.
+        w_qkv: [N, D] bf16 (q rows, then k, then v); b_qkv: [N] fp32 or None. w_o: [D, H Dh] bf16; b_o: [D] or None.
+        norm_w: [D] fp32, the post-attention norm's weight; eps: its epsilon.
+        cos_PD, sin_signed_PD: [P, Dh] fp32 contiguous RoPE tables (`actors.model.layers.Rotary`: the sine's first
+            half negated). positions_T: [T] int64.
+        k_cache, v_cache: [NB, S, Hkv, Dh] fp32 contiguous, post-RoPE keys. slots_T: [T] int64 flat slots.
+        tokens_B: [B] int64 query row of each decode sequence (B == T). block_tables_BM: [B, MB] int64;
+        context_lens_B: [B] int64 tokens to attend, the new one included.
+        num_heads: H. scale: softmax scale.
+    Returns:
+        (h_out, x_out), or None when the compiled call does not apply (nothing written; see the module docstring).
+    Raises:
+        IndexError: a position outside the RoPE tables, or a slot outside the cache (nothing written).
+        MemoryError: the kernel's scratch could not be allocated.
+    """
+    lib = _build.lib()
+    if lib is None or x_TD.dim() != 2 or not f32_cpu(x_TD, h_TD, norm_w, cos_PD, sin_signed_PD, k_cache, v_cache):
+        return None
+    T, D = x_TD.shape
+    if T == 0 or T > tuning.MAX_GEMM_ROWS or len(row_ranges(T)) != 1 or tokens_B.numel() != T:
+        return None
+    NB, S, Hkv, Dh = k_cache.shape
+    N = (num_heads + 2 * Hkv) * Dh
+    if not (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, num_heads * Dh)
+            and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and norm_w.shape == (D,) and cos_PD.shape[1] == Dh
+            and x_TD.is_contiguous() and h_TD.is_contiguous() and h_TD.shape == x_TD.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+            and cos_PD.is_contiguous() and sin_signed_PD.is_contiguous() and sin_signed_PD.shape == cos_PD.shape
+            and norm_w.is_contiguous() and block_tables_BM.dim() == 2
+            and _i64(positions_T, slots_T, tokens_B, block_tables_BM, context_lens_B)):
+        return None
+    h_out, x_out = torch.empty(T, D), torch.empty(T, D)
+    p_qkv, p_o = panels(w_qkv), panels(w_o)  # the packed copy `linear` would use (same policy, same kernel)
+    rc = lib.moeray_attention_block(ctypes.byref(AttentionBlockArgs(
+        x_TD.data_ptr(), h_TD.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), T, D,
+        w_qkv.data_ptr(), None if p_qkv is None else p_qkv.data_ptr(), None if b_qkv is None else b_qkv.data_ptr(),
+        w_o.data_ptr(), None if p_o is None else p_o.data_ptr(), None if b_o is None else b_o.data_ptr(),
+        norm_w.data_ptr(), eps, cos_PD.data_ptr(), sin_signed_PD.data_ptr(), cos_PD.shape[0], positions_T.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), NB * S, slots_T.data_ptr(), block_tables_BM.data_ptr(),
+        block_tables_BM.shape[1], context_lens_B.data_ptr(), tokens_B.data_ptr(), T, num_heads, Hkv, Dh, S, scale)))
+    if rc == -2:
+        raise IndexError(f"attention_block: a position is outside the RoPE tables [0, {cos_PD.shape[0]})")
+    if rc == -3:
+        raise IndexError(f"attention_block: a slot is outside the cache [0, {NB * S})")
+    if rc:
+        raise MemoryError(f"attention_block: no scratch for {T} rows")
+    return h_out, x_out
