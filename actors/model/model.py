@@ -32,7 +32,7 @@ from actors.moe.dispatch import Dispatcher
 from actors.moe.experts import Experts
 from actors.kv.interface import KVCache
 from actors.model.layers import Rotary, rms_norm, swiglu_mlp
-from kernels.cpu import linear
+from kernels.cpu import linear, shared_expert
 from kernels.cpu.attention_block import attention_block
 from kernels.cpu.routing import select_experts
 from actors.moe.gating import GatingBatch
@@ -218,9 +218,9 @@ class MoEModel:
                                                 step_max_tokens=ctx.step_max_tokens)
         y_RD = rows.run(self.experts[l], topk_w)  # this rank's experts, on the rows every rank sent them
         # before `combine`: computed while the other ranks' results travel
-        g, shared = self.shared_expert(l, y, shared_scale)
+        shared = self.shared_expert(l, y, shared_scale)
         out = self.dispatcher.combine(y_RD, handle, topk_w)  # [T, D]
-        return out if shared is None else torch.addcmul(out, g, shared)
+        return out if shared is None else out + shared
 
     def gate(self, l: int, x_TD: torch.Tensor, gating: GatingBatch | None):
         """MoE layer l's router on x [T, D]: (y [T, E (+ 2 I_s + 1)]: the fused input projection (router logits,
@@ -235,18 +235,22 @@ class MoEModel:
         topk_w, topk_ids = select_experts(logits, self.cfg.top_k, self.cfg.norm_topk_prob)  # [T, K]
         return y, topk_w, topk_ids, None, False
 
-    def shared_expert(self, l: int, y: torch.Tensor, shared_scale: torch.Tensor | None):
-        """(gate g [T, 1], shared expert output [T, D]) of layer l from `gate`'s fused projection y, or (None, None)
-        without a shared expert; the layer's output is combine + g * shared."""
+    def shared_expert(self, l: int, y: torch.Tensor, shared_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """Layer l's shared expert times its sigmoid gate (and a policy's per-token scale) [T, D], from `gate`'s fused
+        projection y, or None without a shared expert; the layer's output is combine + this. One compiled call on
+        CPU fp32 with bf16 weights (`kernels.cpu.shared_expert`), else the PyTorch ops."""
         if not self.cfg.has_shared_expert:
-            return None, None
-        E, p = self.cfg.num_experts, f"layers.{l}."
+            return None
+        E, w_down = self.cfg.num_experts, self.w[f"layers.{l}.shared_down"]
+        scale = None if shared_scale is None else shared_scale.to(torch.float32)
+        out = shared_expert(y, E, w_down, scale) if y.dtype == torch.float32 and y.device.type == "cpu" else None
+        if out is not None:
+            return out
         sg, su = y[:, E:-1].chunk(2, dim=-1)
-        shared = linear(F.silu(sg) * su, self.w[p + "shared_down"])
         g = torch.sigmoid(y[:, -1:])
         if shared_scale is not None:
             g = g * shared_scale[:, None].to(g.dtype)
-        return g, shared
+        return g * linear(F.silu(sg) * su, w_down)
 
     # ------------------------------------------------------------------------------ forward
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, cache: KVCache,

@@ -154,7 +154,7 @@ def _finish_layer(model, mb: MicroBatch, l: int) -> None:
     if not mb.T:
         return
     if shared is not None:
-        y = torch.addcmul(y, shared[0], shared[1])
+        y = y + shared
     nxt = w[f"layers.{l + 1}.input_norm"] if l + 1 < cfg.num_layers else w["norm"]
     mb.h, mb.x = rms_norm(y, nxt, cfg.rms_norm_eps, residual=mb.h)
 

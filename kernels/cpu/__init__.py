@@ -25,7 +25,7 @@ from kernels.cpu import parallel
 from kernels.cpu._build import cpu_kernels_available
 from kernels.cpu.attention import decode_attention, prefill_attention
 from kernels.cpu.dispatch import pack_fixed_ids, pack_fixed_rows, weigh_rows
-from kernels.cpu.experts import expert_ffn, swiglu_f32
+from kernels.cpu.experts import expert_ffn, shared_expert, swiglu_f32
 from kernels.cpu.linear import linear, rms_norm
 from kernels.cpu.packed import PackedFFNArgs, dequant_packed, packed_expert_ffn
 from kernels.cpu.predict import GateLogprobs, MarkovTables, prefetch_step
@@ -34,5 +34,5 @@ from kernels.cpu.rope import rope
 __all__ = [
     "GateLogprobs", "MarkovTables", "PackedFFNArgs", "cpu_kernels_available", "decode_attention", "dequant_packed",
     "expert_ffn", "linear", "pack_fixed_ids", "pack_fixed_rows", "parallel", "packed_expert_ffn", "prefetch_step",
-    "prefill_attention", "rms_norm", "rope", "swiglu_f32", "weigh_rows",
+    "prefill_attention", "rms_norm", "rope", "shared_expert", "swiglu_f32", "weigh_rows",
 ]

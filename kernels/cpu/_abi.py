@@ -102,6 +102,11 @@ class PackedStack(ctypes.Structure):
     _fields_ = _fields("P codes, P scales, P zeros, P codebook, L W, L G, L gs, L bits")
 
 
+class SharedExpertArgs(ctypes.Structure):
+    """`moeray_shared_expert_args` (kernels/csrc/expert_ffn.c)."""
+    _fields_ = _fields("P y, L sy, L off, L I, P dn, P dnp, P scale, L T, L D, P out")
+
+
 class PackedExpertFFNArgs(ctypes.Structure):
     """`moeray_packed_expert_ffn_args` (kernels/csrc/packed_expert_ffn.c); gu, dn point at `PackedStack`s."""
     _fields_ = _fields("P x, L sx, P ids, L R, P gu, P dn, L D, L I, P y, L sy, P scratch")
@@ -151,6 +156,7 @@ SIGNATURES = {
     "moeray_quantize_kv": (_ptr(QuantizeKVArgs), None),
     "moeray_quant_dequant_rows": ([ctypes.POINTER(QuantDecodeArgs), _P, _P, _L, _L, _P, _P], _L),
     "moeray_expert_ffn_bf16w": (_ptr(ExpertFFNArgs), _L),
+    "moeray_shared_expert": (_ptr(SharedExpertArgs), _L),
     "moeray_swiglu_f32w": ([_P, _L, _L, _P, _P, _L, _L, _P, _L, _P], None),
     "moeray_pack_rows": (_ptr(PackRowsArgs), ctypes.c_long),
     "moeray_pack_ids": (_ptr(PackIdsArgs), ctypes.c_long),

@@ -9,7 +9,9 @@ cached dequantized one).
 Shape legend: R = expert rows, D = hidden, I = expert intermediate, E = experts.
 
 `f(x) = w_down (silu(gate x) * (up x))`, fp32 accumulation (bf16 weights widened exactly in registers): one call
-instead of ~14 ops per expert. Both return None when they cannot run; the caller uses its PyTorch path.
+instead of ~14 ops per expert. `shared_expert`: a Qwen2-MoE shared expert and its sigmoid gate from the layer's
+fused input projection, in one call instead of six ops. Each returns None when it cannot run; the caller uses its
+PyTorch path.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from kernels import tuning
 from kernels.cpu import _build
-from kernels.cpu._abi import ExpertFFNArgs, f32_cpu
+from kernels.cpu._abi import ExpertFFNArgs, SharedExpertArgs, f32_cpu
 from kernels.cpu.packing import panels
 from kernels.cpu.parallel import TASK_EXPERT_FFN, row_ranges, run_kernel
 
@@ -96,3 +98,38 @@ def swiglu_f32(x_RD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         lib.moeray_swiglu_f32w(x_RD.data_ptr(), x_RD.stride(0), R, w_gate_up.data_ptr(), w_down.data_ptr(), D,
                                I2 // 2, y.data_ptr(), D, scratch.data_ptr())
     return y
+
+
+def shared_expert(y_TN: torch.Tensor, offset: int, w_down: torch.Tensor, scale_T: torch.Tensor | None
+                  ) -> torch.Tensor | None:
+    """A shared expert with its gate, from the layer's fused input projection, in one call.
+
+    Args:
+        y_TN: [T, N] fp32, unit column stride: columns [offset, offset + I) the shared expert's gate projection,
+            [offset + I, offset + 2I) its up projection, offset + 2I its gate logit (`MoEModel.gate`'s y).
+        offset: E, the router logits' width. w_down: [D, I] bf16 contiguous. scale_T: [T] fp32 or None (a gating
+            policy's per-token scale of the shared expert).
+    Returns:
+        [T, D] fp32 = sigmoid(logit) * scale * w_down (silu(gate) * up), equal to the PyTorch ops up to fp32 rounding
+        (SiLU and sigmoid through the kernels' exp, as the routed experts'); None when the kernel cannot run (other
+        dtypes or devices, more than `MAX_GEMM_ROWS` rows).
+    Raises:
+        MemoryError: no scratch.
+    """
+    lib = _build.lib()
+    T = y_TN.shape[0]
+    if (lib is None or T > tuning.MAX_GEMM_ROWS or y_TN.dim() != 2 or not f32_cpu(y_TN) or y_TN.stride(1) != 1
+            or w_down.dtype != torch.bfloat16 or w_down.dim() != 2 or not w_down.is_contiguous()
+            or (scale_T is not None and not (f32_cpu(scale_T) and scale_T.is_contiguous()))):
+        return None
+    D, I = w_down.shape
+    if y_TN.shape[1] < offset + 2 * I + 1:
+        raise RuntimeError(f"shared_expert: y {tuple(y_TN.shape)} has no columns [{offset}, {offset + 2 * I}]")
+    out = torch.empty(T, D, dtype=torch.float32)
+    if T:
+        dnp = panels(w_down)
+        if lib.moeray_shared_expert(ctypes.byref(SharedExpertArgs(
+                y_TN.data_ptr(), y_TN.stride(0), offset, I, w_down.data_ptr(), None if dnp is None else dnp.data_ptr(),
+                None if scale_T is None else scale_T.data_ptr(), T, D, out.data_ptr()))):
+            raise MemoryError(f"shared_expert: no scratch for {T} rows")
+    return out

@@ -95,3 +95,35 @@ void moeray_swiglu_f32w(const float *x, long sx, long R, const float *gu, const 
     for (long d = 0; d < D; d++)
         for (long r = 0; r < R; r++) y[r * sy + d] = dotf(dn + d * I, scratch + r * gn, I);
 }
+
+/* The shared expert of a Qwen2-MoE layer from the layer's fused input projection y [T, *] (row stride sy): its
+   gate at columns [off, off + I), up at [off + I, off + 2I), the shared gate's logit at off + 2I.
+   out[t] = sigmoid(logit) (* scale[t] when given) * dn (silu(gate) * up), dn [D, I] bf16 (or its panels dnp).
+   Returns 0, or -1 when scratch could not be allocated (nothing written). */
+typedef struct {
+    const float *y; long sy, off, I; const uint16_t *dn; const uint32_t *dnp; const float *scale; long T, D;
+    float *out;
+} moeray_shared_expert_args;
+
+long moeray_shared_expert(const moeray_shared_expert_args *a) {
+    const long T = a->T, I = a->I, D = a->D;
+    float *t = (float *)malloc((size_t)(T > 0 ? T : 1) * (size_t)(2 * I) * sizeof(float));
+    if (!t) return -1;
+    for (long r = 0; r < T; r++) memcpy(t + r * 2 * I, a->y + r * a->sy + a->off, (size_t)(2 * I) * sizeof(float));
+    swiglu_rows(t, T, I);
+    long rc = 0;
+    if (a->dnp) moeray_linear_panels(t, 2 * I, a->dnp, NULL, a->out, D, T, D, I);
+    else rc = moeray_linear_bf16w(t, 2 * I, a->dn, NULL, a->out, D, T, D, I);
+    free(t);
+    if (rc) return -1;
+    for (long r = 0; r < T; r++) {
+        float g = 1.0f / (1.0f + expf(-a->y[r * a->sy + a->off + 2 * I]));
+        if (a->scale) g *= a->scale[r];
+        const __m256 gv = _mm256_set1_ps(g);
+        float *o = a->out + r * D;
+        long d = 0;
+        for (; d + 8 <= D; d += 8) _mm256_storeu_ps(o + d, _mm256_mul_ps(gv, _mm256_loadu_ps(o + d)));
+        for (; d < D; d++) o[d] *= g;
+    }
+    return 0;
+}

@@ -125,3 +125,26 @@ def test_engine_decode_steps_equal_with_and_without_the_block(monkeypatch):
     assert len(fused) == len(plain) == 24
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("T,scaled,packed", [(1, False, False), (4, True, False), (3, False, True)])
+def test_shared_expert_equals_torch_ops(T, scaled, packed):
+    """The shared expert and its gate in one call (kernels/csrc/expert_ffn.c) equal the PyTorch ops they replace
+    up to fp32 rounding, on a strided slice of a fused projection, with and without a policy's scale and panels."""
+    import torch.nn.functional as F
+
+    from kernels.cpu import shared_expert
+
+    g = torch.Generator().manual_seed(T)
+    E, I, D = 5, 24, 40
+    y = torch.randn(T, E + 2 * I + 1 + 3, generator=g)[:, : E + 2 * I + 1]  # row stride > width
+    w_down = (torch.randn(D, I, generator=g) * 0.3).bfloat16()
+    if packed:
+        panels(w_down), panels(w_down)
+    scale = torch.rand(T, generator=g) if scaled else None
+    sg, su = y[:, E:-1].chunk(2, dim=-1)
+    gate = torch.sigmoid(y[:, -1:]) * (scale[:, None] if scaled else 1.0)
+    want = gate * (F.silu(sg) * su) @ w_down.float().T
+    got = shared_expert(y, E, w_down, scale)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+    assert shared_expert(y.double(), E, w_down, scale) is None  # other dtypes: the caller's PyTorch ops
