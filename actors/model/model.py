@@ -12,6 +12,10 @@ on it. A `RoutingObserver` (the expert store's prefetch runtime, a calibration r
 `begin_step` first, then per MoE layer `on_hidden` (the residual stream entering the FFN) and `on_route`
 (the layer's routed ids).
 
+Decode steps on CPU run each layer's attention block (q/k/v linear through the post-attention norm) as one compiled
+call where the cache has full-precision pages (`attention_block`, bit-identical to the op-by-op path) and the shared
+expert as another (`shared_expert`): a decode step is bound by per-op overhead, ~25 us of Python per op here.
+
 Two-batch overlap (`two_batch_min`, `actors.model.two_batch`): a decode-only step of agreed size may run as two
 micro-batches whose expert exchanges overlap the other's compute; `forward` decides from agreed values only.
 
@@ -188,12 +192,13 @@ class MoEModel:
         o = cache.attend(l, q, k, v, positions_T, meta, self.rotary, self.scale)  # k pre-RoPE
         return linear(o.reshape(T, cfg.num_heads * cfg.head_dim), w[p + "o_w"], w.get(p + "o_b"))
 
-    def attention_block(self, l: int, x_TD: torch.Tensor, h_TD: torch.Tensor, positions_T: torch.Tensor,
+    def attention_block(self, l: int, h_TD: torch.Tensor, delta_TD: torch.Tensor | None, positions_T: torch.Tensor,
                         cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer l's attention, residual add and post-attention norm of a decode-only step in one compiled call
-        (`kernels.cpu.attention_block`: bit-identical to `attention` then `rms_norm(..., residual=h)`): (h, x), each
-        [T, D]; None where it does not apply (prefills in the step, q/k norms or clipping, a cache without
-        full-precision pages, other dtypes or devices), and the caller runs the layer op by op."""
+        """Layer l's input (the previous layer's output `delta` added to the residual stream h, then the input norm),
+        attention, residual add and post-attention norm of a decode-only step in one compiled call
+        (`kernels.cpu.attention_block`, bit-identical to the residual add and input norm, `attention` and
+        `rms_norm(..., residual=h)`): (h, x), each [T, D]; None where it does not apply (prefills in the step, q/k norms or
+        clipping, a cache without full-precision pages, other dtypes or devices): the caller goes op by op."""
         cfg = self.cfg
         if meta.prefills or cfg.qk_norm != "none" or cfg.clip_qkv is not None or self.device.type != "cpu":
             return None
@@ -201,8 +206,8 @@ class MoEModel:
         if pages is None:
             return None
         w, p, r = self.w, f"layers.{l}.", self.rotary
-        return attention_block(x_TD, h_TD, w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"], w.get(p + "o_b"),
-                               w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed, positions_T, *pages,
+        return attention_block(h_TD, delta_TD, w[p + "input_norm"], w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"],
+                               w.get(p + "o_b"), w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed, positions_T, *pages,
                                meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
                                meta.decode_context_lens, cfg.num_heads, self.scale)
 
@@ -273,23 +278,24 @@ class MoEModel:
             return self._forward_empty(h, ctx)
         self._routed = []
         eps = cfg.rms_norm_eps
-        x = rms_norm(h, w["layers.0.input_norm"], eps)
+        y = None  # the previous layer's MLP / MoE output, not yet added to the residual stream h
         for l in range(cfg.num_layers):
             p = f"layers.{l}."
-            # residual add + the next norm in one call (`kernels.cpu.rms_norm`); a decode step's whole attention
-            # block in one where it applies (`attention_block`)
-            hx = self.attention_block(l, x, h, positions_T, cache, meta)
-            h, x = hx if hx is not None else rms_norm(self.attention(l, x, positions_T, cache, meta),
-                                                      w[p + "post_norm"], eps, residual=h)
+            # a decode step's residual add, input norm, attention, residual add and post-attention norm in one call
+            # where it applies (`attention_block`); else each residual add + norm is one call (`kernels.cpu.rms_norm`)
+            hx = self.attention_block(l, h, y, positions_T, cache, meta)
+            if hx is None:
+                h, x = (h, rms_norm(h, w[p + "input_norm"], eps)) if y is None else rms_norm(
+                    y, w[p + "input_norm"], eps, residual=h)
+                hx = rms_norm(self.attention(l, x, positions_T, cache, meta), w[p + "post_norm"], eps, residual=h)
+            h, x = hx
             if cfg.moe_layers[l]:
                 observer.on_hidden(l, h)
                 y = self.moe(l, x, ctx, observer)
             else:
                 y = swiglu_mlp(x, w[p + "mlp_gate_up"], w[p + "mlp_down"])
-            nxt = w[f"layers.{l + 1}.input_norm"] if l + 1 < cfg.num_layers else w["norm"]
-            h, x = rms_norm(y, nxt, eps, residual=h)
         self._count_load()
-        return x
+        return rms_norm(y, w["norm"], eps, residual=h)[1]
 
     def _forward_empty(self, h_0D: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """T == 0: join every MoE layer's dispatch (the collectives pair up across ranks) and run the rows other

@@ -3,10 +3,10 @@
 Shape legend: T = tokens of the step (one per decode sequence), D = hidden, H = query heads, Hkv = KV heads,
 Dh = head_dim, N = (H + 2 Hkv) Dh, NB = cache blocks, S = block size, MB = blocks per block table, P = RoPE positions.
 
-What the call does is what `MoEModel.attention` followed by the post-attention `rms_norm` does on that step with the
-compiled kernels (fused q/k/v linear, RoPE of q and k, the K / V cache write, paged decode attention, the output
-linear, residual add and RMSNorm), through the same kernels in the same order, so the result is bit-identical; it
-only drops the Python between them. It applies where each of those steps would take its compiled kernel on one
+What the call does is what `MoEModel.forward` does around `MoEModel.attention` on that step with the compiled
+kernels (the previous layer's output added to the residual stream and the input RMSNorm, fused q/k/v linear, RoPE of
+q and k, the K / V cache write, paged decode attention, the output linear, residual add and post-attention RMSNorm),
+through the same kernels in the same order, so the result is bit-identical; it only drops the Python between them. It applies where each of those steps would take its compiled kernel on one
 thread: fp32 activations on CPU, bf16 weights, fp32 post-RoPE K / V pages, a decode-only step whose rows are not
 split over compute threads (`kernels.cpu.parallel.row_ranges`). Elsewhere `attention_block` returns None and the
 caller runs the layer op by op.
@@ -41,22 +41,25 @@ def _i64(*ts: torch.Tensor) -> bool:
     return True
 
 
-def attention_block(x_TD: torch.Tensor, h_TD: torch.Tensor, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-                    w_o: torch.Tensor, b_o: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor, w_qkv: torch.Tensor,
+                    b_qkv: torch.Tensor | None, w_o: torch.Tensor, b_o: torch.Tensor | None, norm_w: torch.Tensor,
+                    eps: float,
                     cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots_T: torch.Tensor, tokens_B: torch.Tensor,
                     block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor, num_heads: int, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One decode step's attention block of a layer: (h_out, x_out), each [T, D] fp32.
 
-    h_out = h + (attention(RoPE(q)) Wo^T + b_o), x_out = RMSNorm(h_out) * norm_w, where q, k, v = x Wqkv^T + b_qkv;
-    RoPE(k) and v are written to the cache rows `slots_T` first (each token sees itself), as
-    `actors.kv.paged.PagedKVCache.attend` does.
+    With h' = h + delta (h without delta) and x = RMSNorm(h') * in_norm_w: h_out = h' + (attention(RoPE(q)) Wo^T +
+    b_o), x_out = RMSNorm(h_out) * norm_w, where q, k, v = x Wqkv^T + b_qkv; RoPE(k) and v are written to the cache
+    rows `slots_T` first (each token sees itself), as `actors.kv.paged.PagedKVCache.attend` does.
 
     Args:
-        x_TD: [T, D] fp32 contiguous, the layer's normed input. h_TD: [T, D] fp32 contiguous, its residual stream.
+        h_TD: [T, D] fp32 contiguous, the residual stream. delta_TD: [T, D] fp32 contiguous, the previous layer's
+            MLP / MoE output not yet added to it, or None (the first layer). in_norm_w: [D] fp32, the input norm's
+            weight.
         w_qkv: [N, D] bf16 (q rows, then k, then v); b_qkv: [N] fp32 or None. w_o: [D, H Dh] bf16; b_o: [D] or None.
-        norm_w: [D] fp32, the post-attention norm's weight; eps: its epsilon.
+        norm_w: [D] fp32, the post-attention norm's weight; eps: both norms' epsilon.
         cos_PD, sin_signed_PD: [P, Dh] fp32 contiguous RoPE tables (`actors.model.layers.Rotary`: the sine's first
             half negated). positions_T: [T] int64.
         k_cache, v_cache: [NB, S, Hkv, Dh] fp32 contiguous, post-RoPE keys. slots_T: [T] int64 flat slots.
@@ -70,16 +73,18 @@ def attention_block(x_TD: torch.Tensor, h_TD: torch.Tensor, w_qkv: torch.Tensor,
         MemoryError: the kernel's scratch could not be allocated.
     """
     lib = _build.lib()
-    if lib is None or x_TD.dim() != 2 or not f32_cpu(x_TD, h_TD, norm_w, cos_PD, sin_signed_PD, k_cache, v_cache):
+    if (lib is None or h_TD.dim() != 2 or not f32_cpu(h_TD, in_norm_w, norm_w, cos_PD, sin_signed_PD, k_cache, v_cache)
+            or (delta_TD is not None and not (f32_cpu(delta_TD) and delta_TD.shape == h_TD.shape
+                                              and delta_TD.is_contiguous()))):
         return None
-    T, D = x_TD.shape
+    T, D = h_TD.shape
     if T == 0 or T > tuning.MAX_GEMM_ROWS or len(row_ranges(T)) != 1 or tokens_B.numel() != T:
         return None
     NB, S, Hkv, Dh = k_cache.shape
     N = (num_heads + 2 * Hkv) * Dh
     if not (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, num_heads * Dh)
             and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and norm_w.shape == (D,) and cos_PD.shape[1] == Dh
-            and x_TD.is_contiguous() and h_TD.is_contiguous() and h_TD.shape == x_TD.shape
+            and h_TD.is_contiguous() and in_norm_w.shape == (D,) and in_norm_w.is_contiguous()
             and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
             and cos_PD.is_contiguous() and sin_signed_PD.is_contiguous() and sin_signed_PD.shape == cos_PD.shape
             and norm_w.is_contiguous() and block_tables_BM.dim() == 2
@@ -88,7 +93,8 @@ def attention_block(x_TD: torch.Tensor, h_TD: torch.Tensor, w_qkv: torch.Tensor,
     h_out, x_out = torch.empty(T, D), torch.empty(T, D)
     p_qkv, p_o = panels(w_qkv), panels(w_o)  # the packed copy `linear` would use (same policy, same kernel)
     rc = lib.moeray_attention_block(ctypes.byref(AttentionBlockArgs(
-        x_TD.data_ptr(), h_TD.data_ptr(), h_out.data_ptr(), x_out.data_ptr(), T, D,
+        h_TD.data_ptr(), None if delta_TD is None else delta_TD.data_ptr(), in_norm_w.data_ptr(), h_out.data_ptr(),
+        x_out.data_ptr(), T, D,
         w_qkv.data_ptr(), None if p_qkv is None else p_qkv.data_ptr(), None if b_qkv is None else b_qkv.data_ptr(),
         w_o.data_ptr(), None if p_o is None else p_o.data_ptr(), None if b_o is None else b_o.data_ptr(),
         norm_w.data_ptr(), eps, cos_PD.data_ptr(), sin_signed_PD.data_ptr(), cos_PD.shape[0], positions_T.data_ptr(),

@@ -15,10 +15,11 @@ from tests.conftest import SHIPPED
 pytestmark = pytest.mark.skipif(_build.lib() is None, reason="compiled CPU kernels unavailable")
 
 
-def _case(T, *, bias=True, seed=0, H=4, Hkv=2, Dh=16, D=48, S=4, NB=12):
+def _case(T, *, bias=True, delta=True, seed=0, H=4, Hkv=2, Dh=16, D=48, S=4, NB=12):
     g = torch.Generator().manual_seed(seed)
     N = (H + 2 * Hkv) * Dh
-    c = dict(x=torch.randn(T, D, generator=g), h=torch.randn(T, D, generator=g),
+    c = dict(h=torch.randn(T, D, generator=g), delta=torch.randn(T, D, generator=g) if delta else None,
+             in_norm_w=torch.randn(D, generator=g),
              w_qkv=(torch.randn(N, D, generator=g) * 0.2).bfloat16(),
              b_qkv=torch.randn(N, generator=g) * 0.1 if bias else None,
              w_o=(torch.randn(D, H * Dh, generator=g) * 0.2).bfloat16(),
@@ -33,27 +34,34 @@ def _case(T, *, bias=True, seed=0, H=4, Hkv=2, Dh=16, D=48, S=4, NB=12):
 
 
 def _op_by_op(c, rot, kc, vc, m, scale):
-    """`MoEModel.attention` + `rms_norm(..., residual=h)` through the same wrappers, on the PagedKVCache's path."""
-    T, H = c["x"].shape[0], m["H"]
+    """`MoEModel.forward`'s residual add and input norm, `attention` and `rms_norm(..., residual=h)` through the same
+    wrappers, on the PagedKVCache's path."""
+    T, H = c["h"].shape[0], m["H"]
     Hkv, Dh = kc.shape[2], kc.shape[3]
-    q, k, v = linear(c["x"], c["w_qkv"], c["b_qkv"]).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+    if c["delta"] is None:
+        h, x = c["h"], rms_norm(c["h"], c["in_norm_w"], 1e-6)
+    else:
+        h, x = rms_norm(c["delta"], c["in_norm_w"], 1e-6, residual=c["h"])
+    q, k, v = linear(x, c["w_qkv"], c["b_qkv"]).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
     q = rot.apply(q.view(T, H, Dh), m["pos"])
     kc.view(-1, Hkv, Dh)[m["slots"]] = rot.apply(k.view(T, Hkv, Dh), m["pos"])
     vc.view(-1, Hkv, Dh)[m["slots"]] = v.view(T, Hkv, Dh)
     o = torch.empty_like(q)
     assert decode_attention(q, kc, vc, m["tok"], m["tables"], m["ctx"], scale, o)
-    return rms_norm(linear(o.reshape(T, H * Dh), c["w_o"], c["b_o"]), c["norm_w"], 1e-6, residual=c["h"])
+    return rms_norm(linear(o.reshape(T, H * Dh), c["w_o"], c["b_o"]), c["norm_w"], 1e-6, residual=h)
 
 
 def _fused(c, rot, kc, vc, m, scale):
-    return attention_block(c["x"], c["h"], c["w_qkv"], c["b_qkv"], c["w_o"], c["b_o"], c["norm_w"], 1e-6, rot.cos,
+    return attention_block(c["h"], c["delta"], c["in_norm_w"], c["w_qkv"], c["b_qkv"], c["w_o"], c["b_o"],
+                           c["norm_w"], 1e-6, rot.cos,
                            rot.sin_signed, m["pos"], kc, vc, m["slots"], m["tok"], m["tables"], m["ctx"], m["H"],
                            scale)
 
 
-@pytest.mark.parametrize("T,bias,packed", [(1, True, False), (3, False, False), (5, True, True), (1, True, True)])
-def test_attention_block_equals_op_by_op(T, bias, packed):
-    c, rot, kc, vc, m = _case(T, bias=bias, seed=T)
+@pytest.mark.parametrize("T,bias,delta,packed", [(1, True, True, False), (3, False, True, False), (5, True, False, True),
+                                                 (1, True, True, True), (2, True, False, False)])
+def test_attention_block_equals_op_by_op(T, bias, delta, packed):
+    c, rot, kc, vc, m = _case(T, bias=bias, delta=delta, seed=T)
     if packed:  # a weight seen twice gets its panel copy: both paths must then take the panel kernel
         for w in (c["w_qkv"], c["w_o"]):
             panels(w), panels(w)
