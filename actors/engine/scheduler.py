@@ -172,7 +172,7 @@ class Scheduler:
                 partial.append(seq)
                 continue
             need = self._blocks_for(seq.length) - len(seq.block_table)
-            while not self._room(need):
+            while need > 0 and not self._room(need):  # most steps need no block: no pool query per sequence
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:

@@ -297,3 +297,33 @@ def test_budget_below_max_num_seqs_is_refused():
 def test_mixed_budget_below_one_is_refused():
     with pytest.raises(ValueError, match="max_mixed_tokens=0 must be >= 1"):
         EngineConfig(model=DEFAULT_MODEL, max_mixed_tokens=0)
+
+
+def test_decodes_query_the_pool_only_when_they_need_a_block():
+    """A decode that stays inside its last block needs no pool query: the quantized cache's `num_free` computes a
+    page budget, and asking it once per running sequence per step was per-sequence Python on the hot path."""
+
+    class Counting(BlockAllocator):
+        queries = 0
+
+        @property
+        def num_free(self) -> int:
+            Counting.queries += 1
+            return super().num_free
+
+    sch = Scheduler(Counting(200), 16, max_num_seqs=10, max_batched_tokens=64)
+    dec = [_seq(f"d{i}", 5) for i in range(8)]
+    for s in dec:
+        sch.add(s)
+    _emulate(sch.schedule())  # admitted: each admission asks for its blocks
+    for step in range(3):  # lengths 6 .. 8: inside the first 16-token block
+        Counting.queries = 0
+        b = sch.schedule()
+        assert b.decodes == dec and Counting.queries == 0, step
+        _emulate(b)
+    for s in dec:  # the 17th token starts a second block: each decode asks once and gets it
+        s.output_ids.extend([1] * (17 - s.length))
+        s.num_cached = s.length - 1
+    Counting.queries = 0
+    b = sch.schedule()
+    assert b.decodes == dec and Counting.queries == len(dec) and all(len(s.block_table) == 2 for s in dec)
