@@ -197,8 +197,8 @@ class MoEModel:
         """Layer l's input (the previous layer's output `delta` added to the residual stream h, then the input norm),
         attention, residual add and post-attention norm of a decode-only step in one compiled call
         (`kernels.cpu.attention_block`, bit-identical to the residual add and input norm, `attention` and
-        `rms_norm(..., residual=h)`): (h, x), each [T, D]; None where it does not apply (prefills in the step, q/k norms or
-        clipping, a cache without full-precision pages, other dtypes or devices): the caller goes op by op."""
+        `rms_norm(..., residual=h)`): (h, x), each [T, D]; None where it does not apply (prefills in the step, q/k
+        norms or clipping, a cache without full-precision pages, other dtypes or devices): the caller goes op by op."""
         cfg = self.cfg
         if meta.prefills or cfg.qk_norm != "none" or cfg.clip_qkv is not None or self.device.type != "cpu":
             return None
@@ -207,8 +207,8 @@ class MoEModel:
             return None
         w, p, r = self.w, f"layers.{l}.", self.rotary
         return attention_block(h_TD, delta_TD, w[p + "input_norm"], w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"],
-                               w.get(p + "o_b"), w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed, positions_T, *pages,
-                               meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
+                               w.get(p + "o_b"), w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed,
+                               positions_T, *pages, meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
                                meta.decode_context_lens, cfg.num_heads, self.scale)
 
     def moe(self, l: int, x_TD: torch.Tensor, ctx: StepContext = NO_CONTEXT,

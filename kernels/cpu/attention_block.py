@@ -6,10 +6,10 @@ Dh = head_dim, N = (H + 2 Hkv) Dh, NB = cache blocks, S = block size, MB = block
 What the call does is what `MoEModel.forward` does around `MoEModel.attention` on that step with the compiled
 kernels (the previous layer's output added to the residual stream and the input RMSNorm, fused q/k/v linear, RoPE of
 q and k, the K / V cache write, paged decode attention, the output linear, residual add and post-attention RMSNorm),
-through the same kernels in the same order, so the result is bit-identical; it only drops the Python between them. It applies where each of those steps would take its compiled kernel on one
-thread: fp32 activations on CPU, bf16 weights, fp32 post-RoPE K / V pages, a decode-only step whose rows are not
-split over compute threads (`kernels.cpu.parallel.row_ranges`). Elsewhere `attention_block` returns None and the
-caller runs the layer op by op.
+through the same kernels in the same order, so the result is bit-identical; it only drops the Python between them.
+It applies where each of those steps would take its compiled kernel on one thread: fp32 activations on CPU, bf16
+weights, fp32 post-RoPE K / V pages, a decode-only step whose rows are not split over compute threads
+(`kernels.cpu.parallel.row_ranges`). Elsewhere `attention_block` returns None and the caller runs the layer op by op.
 """
 from __future__ import annotations
 
@@ -43,8 +43,7 @@ def _i64(*ts: torch.Tensor) -> bool:
 
 def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor, w_qkv: torch.Tensor,
                     b_qkv: torch.Tensor | None, w_o: torch.Tensor, b_o: torch.Tensor | None, norm_w: torch.Tensor,
-                    eps: float,
-                    cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor,
+                    eps: float, cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots_T: torch.Tensor, tokens_B: torch.Tensor,
                     block_tables_BM: torch.Tensor, context_lens_B: torch.Tensor, num_heads: int, scale: float
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
