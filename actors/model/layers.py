@@ -1,4 +1,4 @@
-"""Dense building blocks of the decoder: RMSNorm, rotary embedding, MLP.
+"""Dense building blocks of the decoder: RMSNorm, rotary embedding, MLP, the attention block in compiled calls.
 
 Shape legend: T = tokens in the step (all sequences flattened), D = hidden, H = heads, Dh = head_dim.
 """
@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import linear, rms_norm, rope  # noqa: F401 - rms_norm is part of this module's API
+from kernels.cpu.attention_block import attention_halves_apply, attention_in, attention_out
+from kernels.cpu.attention_block import attention_block as attention_block_call
 from kernels.rope import rope_tables
 
 
@@ -56,3 +58,38 @@ def swiglu_mlp(x_TD: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     """down(silu(gate x) * up x); w_gate_up [2I, D] (gate rows first), w_down [D, I]."""
     g, u = linear(x_TD, w_gate_up).chunk(2, dim=-1)
     return linear(F.silu(g) * u, w_down)
+
+
+def attention_block(cfg, w: dict[str, torch.Tensor], l: int, rotary: Rotary, scale: float, h_TD: torch.Tensor,
+                    delta_TD: torch.Tensor | None, positions_T: torch.Tensor, cache, meta
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer l's input (the previous layer's output `delta` [T, D] added to the residual stream h [T, D], then the
+    input norm), attention, residual add and post-attention norm: (h, x), each [T, D], bit-identical to the residual
+    add and input norm, `MoEModel.attention` and `rms_norm(..., residual=h)` (they run the same kernels). A
+    decode-only step over full-precision pages (`KVCache.fp_pages`) is one compiled call
+    (`kernels.cpu.attention_block`); any other cache or step takes its two halves around the cache's own `attend`
+    (`attention_in`, `attention_out`). None where neither applies (q/k norms or clipping, other dtypes or devices,
+    rows split over compute threads): nothing was computed and the caller goes op by op.
+
+    Args: cfg: the `ModelConfig`; w: the model's weights (fused `qkv_w`, see `MoEModel`); rotary: its `Rotary`;
+    scale: the softmax scale; cache, meta: the step's `KVCache` and `AttentionMetadata`.
+    """
+    if cfg.qk_norm != "none" or cfg.clip_qkv is not None:
+        return None
+    p, eps = f"layers.{l}.", cfg.rms_norm_eps
+    weights = (w[p + "input_norm"], w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"], w.get(p + "o_b"),
+               w[p + "post_norm"])
+    pages = None if meta.prefills else cache.fp_pages(l)
+    if pages is not None:
+        hx = attention_block_call(h_TD, delta_TD, *weights, eps, rotary.cos, rotary.sin_signed, positions_T, *pages,
+                                  meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
+                                  meta.decode_context_lens, cfg.num_heads, scale)
+        if hx is not None:
+            return hx
+    if not attention_halves_apply(h_TD, delta_TD, *weights, rotary.cos, rotary.sin_signed, positions_T, cfg.num_heads,
+                                  cfg.num_kv_heads):
+        return None
+    h, q, k, v = attention_in(h_TD, delta_TD, *weights[:3], eps, rotary.cos, rotary.sin_signed, positions_T,
+                              cfg.num_heads, cfg.num_kv_heads)
+    o = cache.attend(l, q, k, v, positions_T, meta, rotary, scale)  # k before RoPE
+    return attention_out(h, o.reshape(o.shape[0], -1), *weights[3:], eps)

@@ -35,9 +35,8 @@ from actors.model.config import ModelConfig
 from actors.moe.dispatch import Dispatcher
 from actors.moe.experts import Experts
 from actors.kv.interface import KVCache
-from actors.model.layers import Rotary, rms_norm, swiglu_mlp
+from actors.model.layers import Rotary, attention_block, rms_norm, swiglu_mlp
 from kernels.cpu import linear, shared_expert
-from kernels.cpu.attention_block import attention_block
 from kernels.cpu.routing import select_experts
 from actors.moe.gating import GatingBatch
 from actors.moe.gating_router import GatingRouter
@@ -194,22 +193,12 @@ class MoEModel:
 
     def attention_block(self, l: int, h_TD: torch.Tensor, delta_TD: torch.Tensor | None, positions_T: torch.Tensor,
                         cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Layer l's input (the previous layer's output `delta` added to the residual stream h, then the input norm),
-        attention, residual add and post-attention norm of a decode-only step in one compiled call
-        (`kernels.cpu.attention_block`, bit-identical to the residual add and input norm, `attention` and
-        `rms_norm(..., residual=h)`): (h, x), each [T, D]; None where it does not apply (prefills in the step, q/k
-        norms or clipping, a cache without full-precision pages, other dtypes or devices): the caller goes op by op."""
-        cfg = self.cfg
-        if meta.prefills or cfg.qk_norm != "none" or cfg.clip_qkv is not None or self.device.type != "cpu":
+        """Layer l's residual add of `delta` (the previous layer's output) and input norm, attention, residual add and
+        post-attention norm in compiled calls where they apply (`actors.model.layers.attention_block`): (h, x), each
+        [T, D], or None (the caller goes op by op)."""
+        if self.device.type != "cpu":
             return None
-        pages = cache.fp_pages(l)
-        if pages is None:
-            return None
-        w, p, r = self.w, f"layers.{l}.", self.rotary
-        return attention_block(h_TD, delta_TD, w[p + "input_norm"], w[p + "qkv_w"], w.get(p + "qkv_b"), w[p + "o_w"],
-                               w.get(p + "o_b"), w[p + "post_norm"], cfg.rms_norm_eps, r.cos, r.sin_signed,
-                               positions_T, *pages, meta.slot_mapping, meta.decode_tokens, meta.decode_block_tables,
-                               meta.decode_context_lens, cfg.num_heads, self.scale)
+        return attention_block(self.cfg, self.w, l, self.rotary, self.scale, h_TD, delta_TD, positions_T, cache, meta)
 
     def moe(self, l: int, x_TD: torch.Tensor, ctx: StepContext = NO_CONTEXT,
             observer: RoutingObserver = NO_OBSERVER) -> torch.Tensor:

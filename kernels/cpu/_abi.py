@@ -151,6 +151,8 @@ SIGNATURES = {
     "moeray_rope": ([_P, _L, _L, _P, _P, _P, _L, _P, _L, _L, _L], _L),
     "moeray_decode_attention": (_ptr(DecodeAttentionArgs), _L),
     "moeray_attention_block": (_ptr(AttentionBlockArgs), _L),
+    "moeray_attention_in": ([ctypes.POINTER(AttentionBlockArgs), _P, _P, _P, _P], _L),
+    "moeray_attention_out": ([ctypes.POINTER(AttentionBlockArgs), _P, _P], _L),
     "moeray_prefill_attention": (_ptr(PrefillAttentionArgs), _L),
     "moeray_quant_decode_attention": (_ptr(QuantDecodeArgs), _L),
     "moeray_quantize_kv": (_ptr(QuantizeKVArgs), None),

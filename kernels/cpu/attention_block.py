@@ -10,6 +10,10 @@ through the same kernels in the same order, so the result is bit-identical; it o
 It applies where each of those steps would take its compiled kernel on one thread: fp32 activations on CPU, bf16
 weights, fp32 post-RoPE K / V pages, a decode-only step whose rows are not split over compute threads
 (`kernels.cpu.parallel.row_ranges`). Elsewhere `attention_block` returns None and the caller runs the layer op by op.
+
+A cache that attends itself (the quantized one), or a step with prefills, takes the block's two halves apart:
+`attention_in` (residual add, input norm, q/k/v linear, RoPE of q) and `attention_out` (output linear, residual add,
+post-attention norm), with the cache's `attend` between them; also bit-identical to the op-by-op path.
 """
 from __future__ import annotations
 
@@ -105,4 +109,86 @@ def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w
         raise IndexError(f"attention_block: a slot is outside the cache [0, {NB * S})")
     if rc:
         raise MemoryError(f"attention_block: no scratch for {T} rows")
+    return h_out, x_out
+
+
+def _weights_ok(D: int, N: int, qd: int, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w) -> bool:
+    return (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, qd)
+            and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and f32_cpu(in_norm_w, norm_w) and in_norm_w.shape == (D,)
+            and norm_w.shape == (D,) and in_norm_w.is_contiguous() and norm_w.is_contiguous())
+
+
+def _rows_ok(h_TD: torch.Tensor, delta_TD: torch.Tensor | None) -> bool:
+    """fp32 contiguous [T, D] rows (and delta alike) that one thread runs: what both halves need of their input."""
+    if h_TD.dim() != 2 or not f32_cpu(h_TD) or not h_TD.is_contiguous():
+        return False
+    if delta_TD is not None and not (f32_cpu(delta_TD) and delta_TD.shape == h_TD.shape and delta_TD.is_contiguous()):
+        return False
+    T = h_TD.shape[0]
+    return 0 < T <= tuning.MAX_GEMM_ROWS and len(row_ranges(T)) == 1
+
+
+def attention_halves_apply(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor,
+                           w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor, b_o: torch.Tensor | None,
+                           norm_w: torch.Tensor, cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor,
+                           positions_T: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether `attention_in` and `attention_out` both run for these inputs (checked before the cache attends, so that
+    the second half never falls back after the first ran). Arguments as `attention_block`."""
+    if _build.lib() is None or not _rows_ok(h_TD, delta_TD):
+        return False
+    T, D = h_TD.shape
+    Dh = cos_PD.shape[1] if cos_PD.dim() == 2 else 0
+    qd = num_heads * Dh
+    return (Dh > 0 and _weights_ok(D, qd + 2 * num_kv_heads * Dh, qd, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w)
+            and f32_cpu(cos_PD, sin_signed_PD) and cos_PD.is_contiguous() and sin_signed_PD.is_contiguous()
+            and sin_signed_PD.shape == cos_PD.shape and _i64(positions_T) and positions_T.shape == (T,))
+
+
+def _args(**fields) -> AttentionBlockArgs:
+    return AttentionBlockArgs(**{k: v for k, v in fields.items() if v is not None})
+
+
+def attention_in(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor, w_qkv: torch.Tensor,
+                 b_qkv: torch.Tensor | None, eps: float, cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor,
+                 positions_T: torch.Tensor, num_heads: int, num_kv_heads: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention block's first half: (h', q, k, v) with h' = h + delta (h itself without delta) [T, D], x =
+    RMSNorm(h') * in_norm_w, q = RoPE(x Wq^T + bq) [T, H, Dh], k = x Wk^T + bk (before RoPE) and v = x Wv^T + bv
+    [T, Hkv, Dh], all fp32 contiguous. Call only where `attention_halves_apply` said yes.
+
+    Raises:
+        IndexError: a position outside the RoPE tables (nothing written). MemoryError: no scratch.
+    """
+    T, D = h_TD.shape
+    Dh = cos_PD.shape[1]
+    h_mid = torch.empty(T, D) if delta_TD is not None else h_TD
+    q, k, v = torch.empty(T, num_heads, Dh), torch.empty(T, num_kv_heads, Dh), torch.empty(T, num_kv_heads, Dh)
+    p_qkv = panels(w_qkv)  # the packed copy `linear` would use (same policy, same kernel)
+    a = _args(h=h_TD.data_ptr(), delta=None if delta_TD is None else delta_TD.data_ptr(),
+              in_norm_w=in_norm_w.data_ptr(), T=T, D=D, wqkv=w_qkv.data_ptr(),
+              wqkv_p=None if p_qkv is None else p_qkv.data_ptr(), bqkv=None if b_qkv is None else b_qkv.data_ptr(),
+              eps=eps, cos=cos_PD.data_ptr(), sin_signed=sin_signed_PD.data_ptr(), P=cos_PD.shape[0],
+              pos=positions_T.data_ptr(), H=num_heads, Hkv=num_kv_heads, Dh=Dh)
+    rc = _build.lib().moeray_attention_in(ctypes.byref(a), h_mid.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr())
+    if rc == -2:
+        raise IndexError(f"attention_in: a position is outside the RoPE tables [0, {cos_PD.shape[0]})")
+    if rc:
+        raise MemoryError(f"attention_in: no scratch for {T} rows")
+    return h_mid, q, k, v
+
+
+def attention_out(h_TD: torch.Tensor, o_TQ: torch.Tensor, w_o: torch.Tensor, b_o: torch.Tensor | None,
+                  norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention block's second half: (h_out, x_out) with h_out = h + o Wo^T + b_o and x_out = RMSNorm(h_out) *
+    norm_w, each [T, D] fp32; o [T, H Dh] (made fp32 contiguous here). Call only where `attention_halves_apply` said
+    yes. Raises MemoryError: no scratch."""
+    T, D = h_TD.shape
+    o = o_TQ.to(torch.float32).contiguous()
+    h_out, x_out = torch.empty(T, D), torch.empty(T, D)
+    p_o = panels(w_o)
+    a = _args(h_out=h_out.data_ptr(), x_out=x_out.data_ptr(), T=T, D=D, wo=w_o.data_ptr(),
+              wo_p=None if p_o is None else p_o.data_ptr(), bo=None if b_o is None else b_o.data_ptr(),
+              norm_w=norm_w.data_ptr(), eps=eps, H=1, Dh=o.shape[1])  # the kernel reads o's width as H Dh
+    if _build.lib().moeray_attention_out(ctypes.byref(a), h_TD.data_ptr(), o.data_ptr()):
+        raise MemoryError(f"attention_out: no scratch for {T} rows")
     return h_out, x_out

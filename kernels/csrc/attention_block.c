@@ -10,7 +10,9 @@
    It runs the very kernels the PyTorch-level path calls one by one, in the same order on the same values, so its
    outputs are bit-identical to that path; what it removes is the Python between them (~110 us of wrappers, views,
    index_put writes and allocations per layer on the shipped model, about a quarter of a one-sequence decode step).
-   One thread (the caller uses it only when the rows would not be split over compute threads anyway). */
+   One thread (the caller uses it only when the rows would not be split over compute threads anyway).  A cache that
+   attends itself (the quantized one) or a step with prefills takes the two halves apart, `moeray_attention_in` and
+   `moeray_attention_out`, with the cache's own attention between them. */
 #include <stdlib.h>
 #include <string.h>
 #include "gemm.h"
@@ -43,29 +45,57 @@ static long linear(const float *x, long sx, const uint16_t *w, const uint32_t *w
     return moeray_linear_bf16w(x, sx, w, b, y, N, M, N, K);
 }
 
+/* Per-thread scratch that only grows (a fresh block per call would pay its page faults every layer): NULL when it
+   cannot be allocated. */
+static float *scratch_of(size_t floats) {
+    static __thread float *scratch = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(scratch);
+        scratch = (float *)malloc(floats * sizeof(float));
+        cap = scratch ? floats : 0;
+    }
+    return scratch;
+}
+
+static long check_positions(const moeray_attention_block_args *a) {
+    for (long t = 0; t < a->T; t++)
+        if (a->pos[t] < 0 || a->pos[t] >= a->P) return -2;
+    return 0;
+}
+
+/* The block's first half into qkv [T, N] (q still unrotated) and x [T, D] scratch: h_mid = h + delta (h itself
+   without delta, then h_mid is not written), x = RMSNorm(h_mid) * in_norm_w, qkv = x Wqkv^T + b.  Returns the
+   residual stream after the add (h_mid or h), NULL when the GEMM's scratch could not be allocated. */
+static const float *first_half(const moeray_attention_block_args *a, float *h_mid, float *x, float *qkv) {
+    const long T = a->T, D = a->D, N = (a->H + 2 * a->Hkv) * a->Dh;
+    const moeray_rms_norm_args in = {a->h, D, a->delta, D, h_mid, D, a->in_norm_w, x, D, T, D, a->eps};
+    moeray_rms_norm(&in);
+    if (linear(x, D, a->wqkv, a->wqkv_p, a->bqkv, qkv, T, N, D)) return NULL;
+    return a->delta ? h_mid : a->h;
+}
+
+/* The block's second half: h_out = h + o Wo^T (+ bo), x_out = RMSNorm(h_out) * norm_w; y: [T, D] scratch. */
+static long second_half(const moeray_attention_block_args *a, const float *h, const float *o, float *y) {
+    const long T = a->T, D = a->D, qd = a->H * a->Dh;
+    if (linear(o, qd, a->wo, a->wo_p, a->bo, y, T, D, qd)) return -1;
+    const moeray_rms_norm_args rn = {h, D, y, D, a->h_out, D, a->norm_w, a->x_out, D, T, D, a->eps};
+    moeray_rms_norm(&rn);
+    return 0;
+}
+
 /* 0; -1 when a scratch could not be allocated; -2 when a position is outside [0, P); -3 when a slot is outside
    [0, nslots).  Nothing is written on -2 / -3 (checked first). */
 long moeray_attention_block(const moeray_attention_block_args *a) {
     const long T = a->T, D = a->D, H = a->H, Dh = a->Dh, qd = H * Dh, kd = a->Hkv * Dh, N = qd + 2 * kd;
-    for (long t = 0; t < T; t++) {
-        if (a->pos[t] < 0 || a->pos[t] >= a->P) return -2;
+    if (check_positions(a)) return -2;
+    for (long t = 0; t < T; t++)
         if (a->slots[t] < 0 || a->slots[t] >= a->nslots) return -3;
-    }
-    /* per-thread scratch that only grows: qkv [T, N], q [T, qd], o [T, qd], y [T, D], h_in [T, D], x [T, D] */
-    static __thread float *scratch = NULL;
-    static __thread size_t cap = 0;
-    const size_t need = (size_t)T * (size_t)(N + 2 * qd + 3 * D);
-    if (need > cap) {
-        free(scratch);
-        scratch = (float *)malloc(need * sizeof(float));
-        cap = scratch ? need : 0;
-        if (!scratch) return -1;
-    }
-    float *qkv = scratch, *q = qkv + T * N, *o = q + T * qd, *y = o + T * qd, *h_in = y + T * D, *x = h_in + T * D;
-    const moeray_rms_norm_args in = {a->h, D, a->delta, D, h_in, D, a->in_norm_w, x, D, T, D, a->eps};
-    moeray_rms_norm(&in);  /* without delta h_in is not written: the residual stream is h itself */
-    const float *h = a->delta ? h_in : a->h;
-    if (linear(x, D, a->wqkv, a->wqkv_p, a->bqkv, qkv, T, N, D)) return -1;
+    float *qkv = scratch_of((size_t)T * (size_t)(N + 2 * qd + 3 * D));  /* qkv, q, o, y, h_mid, x */
+    if (!qkv) return -1;
+    float *q = qkv + T * N, *o = q + T * qd, *y = o + T * qd, *h_mid = y + T * D, *x = h_mid + T * D;
+    const float *h = first_half(a, h_mid, x, qkv);
+    if (!h) return -1;
     moeray_rope(qkv, N, Dh, a->cos, a->sin_signed, a->pos, a->P, q, T, H, Dh);
     for (long t = 0; t < T; t++) {  /* the new K / V rows straight into their cache slots */
         const float *row = qkv + t * N;
@@ -76,8 +106,29 @@ long moeray_attention_block(const moeray_attention_block_args *a) {
     const moeray_decode_attention_args da = {q, a->kc, a->vc, a->bt, a->mb, a->ctx, a->tok, o, a->B, H, a->Hkv, Dh,
                                              a->S, a->scale};
     if (moeray_decode_attention(&da)) return -1;
-    if (linear(o, qd, a->wo, a->wo_p, a->bo, y, T, D, qd)) return -1;
-    const moeray_rms_norm_args rn = {h, D, y, D, a->h_out, D, a->norm_w, a->x_out, D, T, D, a->eps};
-    moeray_rms_norm(&rn);
+    return second_half(a, h, o, y);
+}
+
+/* The block's first half alone, for a cache that attends itself (the quantized one, or a step with prefills):
+   h_mid [T, D] = h + delta (not written without delta), q [T, H, Dh] = RoPE of the q columns, k / v [T, Hkv, Dh] the
+   k (before RoPE) and v columns.  Reads the input, q/k/v and RoPE fields of `a`.  0; -1 without scratch; -2 when a
+   position is outside [0, P) (nothing written). */
+long moeray_attention_in(const moeray_attention_block_args *a, float *h_mid, float *q, float *k, float *v) {
+    const long T = a->T, D = a->D, H = a->H, Dh = a->Dh, qd = H * Dh, kd = a->Hkv * Dh, N = qd + 2 * kd;
+    if (check_positions(a)) return -2;
+    float *qkv = scratch_of((size_t)T * (size_t)(N + D));
+    if (!qkv || !first_half(a, h_mid, qkv + T * N, qkv)) return -1;
+    moeray_rope(qkv, N, Dh, a->cos, a->sin_signed, a->pos, a->P, q, T, H, Dh);
+    for (long t = 0; t < T; t++) {
+        memcpy(k + t * kd, qkv + t * N + qd, (size_t)kd * sizeof(float));
+        memcpy(v + t * kd, qkv + t * N + qd + kd, (size_t)kd * sizeof(float));
+    }
     return 0;
+}
+
+/* The block's second half alone: h_out / x_out from the residual stream h [T, D] (the first half's h_mid, or h)
+   and the attention output o [T, H Dh].  Reads the output-linear and norm fields of `a`.  0; -1 without scratch. */
+long moeray_attention_out(const moeray_attention_block_args *a, const float *h, const float *o) {
+    float *y = scratch_of((size_t)a->T * (size_t)a->D);
+    return y ? second_half(a, h, o, y) : -1;
 }

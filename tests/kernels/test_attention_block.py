@@ -87,9 +87,12 @@ def test_attention_block_rejects_out_of_range_and_declines_what_it_cannot_run():
     assert _fused(c, rot, kc, vc, dict(m, tok=torch.arange(1)), 0.25) is None  # a token that is not a decode row
 
 
-def test_engine_decode_steps_equal_with_and_without_the_block(monkeypatch):
-    """Shipped model (bf16 weights, q/k/v biases), 4 sequences of different lengths over several KV blocks: every
-    step's final hidden states are identical with the block and op by op, and the block ran on the decode steps."""
+@pytest.mark.parametrize("kv_bits", [None, 3])
+def test_engine_steps_equal_with_and_without_the_block(monkeypatch, kv_bits):
+    """Shipped model (bf16 weights, q/k/v biases), 4 sequences of different lengths over several KV blocks, prefill
+    and decode steps, full-precision and 3-bit KV: every step's final hidden states are identical with the block
+    (whole, or its halves around the quantized cache's and the prefills' own attention) and op by op."""
+    from kernels.cpu import attention_block as block_mod
     from actors.engine.config import EngineConfig
     from actors.engine.engine import RankEngine
     from actors.engine.messages import GenerateRequest
@@ -103,7 +106,7 @@ def test_engine_decode_steps_equal_with_and_without_the_block(monkeypatch):
 
     def run(enabled: bool) -> list[torch.Tensor]:
         mc = ModelConfig.from_pretrained(SHIPPED)
-        eng = RankEngine(EngineConfig(model=SHIPPED, num_threads=1, max_num_seqs=8),
+        eng = RankEngine(EngineConfig(model=SHIPPED, num_threads=1, max_num_seqs=8, kv_bits=kv_bits),
                          ExpertPlacement.contiguous(mc.num_layers, mc.num_experts, 1))
         outs = []
         forward = eng.model.forward
@@ -127,8 +130,13 @@ def test_engine_decode_steps_equal_with_and_without_the_block(monkeypatch):
             eng.step()
         return outs
 
+    halves = []
+    attention_in = block_mod.attention_in
+    monkeypatch.setattr(block_mod, "attention_in", lambda *a: halves.append(1) or attention_in(*a))
+    import actors.model.layers as layers_mod
+    monkeypatch.setattr(layers_mod, "attention_in", block_mod.attention_in)
     fused = run(True)
-    assert any(fused_calls)
+    assert any(fused_calls) and halves  # the prefills (and every quantized step) took the halves
     plain = run(False)
     assert len(fused) == len(plain) == 24
     for a, b in zip(fused, plain):
@@ -156,3 +164,28 @@ def test_shared_expert_equals_torch_ops(T, scaled, packed):
     got = shared_expert(y, E, w_down, scale)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
     assert shared_expert(y.double(), E, w_down, scale) is None  # other dtypes: the caller's PyTorch ops
+
+
+def test_attention_halves_equal_op_by_op_and_check_positions():
+    """The first half gives the residual add, q rotated and k / v unrotated as the op-by-op path computes them; the
+    second half the output linear, residual add and norm; a position beyond the tables raises before any write."""
+    from kernels.cpu.attention_block import attention_halves_apply, attention_in, attention_out
+
+    c, rot, kc, vc, m = _case(3, seed=7)
+    T, H, Hkv, Dh = 3, m["H"], kc.shape[2], kc.shape[3]
+    args = (c["in_norm_w"], c["w_qkv"], c["b_qkv"], c["w_o"], c["b_o"], c["norm_w"], rot.cos, rot.sin_signed, m["pos"])
+    assert attention_halves_apply(c["h"], c["delta"], *args, H, Hkv)
+    assert not attention_halves_apply(c["h"], c["delta"], c["in_norm_w"], c["w_qkv"].float(), *args[2:], H, Hkv)
+    h_ref, x_ref = rms_norm(c["delta"], c["in_norm_w"], 1e-6, residual=c["h"])
+    q_ref, k_ref, v_ref = linear(x_ref, c["w_qkv"], c["b_qkv"]).split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+    # each path sees its own copy of a weight once (a second sight would pack it: `kernels.cpu.packing`)
+    h, q, k, v = attention_in(c["h"], c["delta"], c["in_norm_w"], c["w_qkv"].clone(), c["b_qkv"], 1e-6, rot.cos,
+                              rot.sin_signed, m["pos"], H, Hkv)
+    assert torch.equal(h, h_ref) and torch.equal(q, rot.apply(q_ref.view(T, H, Dh), m["pos"]))
+    assert torch.equal(k, k_ref.reshape(T, Hkv, Dh)) and torch.equal(v, v_ref.reshape(T, Hkv, Dh))
+    o = torch.randn(T, H * Dh)
+    want = rms_norm(linear(o, c["w_o"], c["b_o"]), c["norm_w"], 1e-6, residual=h)
+    got = attention_out(h, o, c["w_o"].clone(), c["b_o"], c["norm_w"], 1e-6)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(IndexError, match="RoPE tables"):
+        attention_in(c["h"], c["delta"], *args[:3], 1e-6, rot.cos, rot.sin_signed, torch.tensor([0, 1, 64]), H, Hkv)
