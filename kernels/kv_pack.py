@@ -22,6 +22,7 @@ Shape legend: N = tokens, H = KV heads, D = head_dim (codes per row), P = packed
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -97,8 +98,25 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
 MAX_CHANNEL_BITS = 8
 
 
+# id(widths) -> (weak reference, tensor version, result): a profile's widths are checked once, not on every layer of
+# every decode step (each check is ~6 tensor ops; `KVQuantProfile.k_packed_bytes` asks for it on every call)
+_CHECKED: dict[int, tuple] = {}
+
+
 def _check_widths(widths_HD: torch.Tensor) -> tuple[int, int]:
-    """(bits per head row, packed bytes Pk) of per-channel widths [H, D]; ValueError naming the limit."""
+    """(bits per head row, packed bytes Pk) of per-channel widths [H, D]; ValueError naming the limit. Remembered per
+    tensor (until it is modified in place)."""
+    hit = _CHECKED.get(id(widths_HD))
+    if hit is not None and hit[0]() is widths_HD and hit[1] == widths_HD._version:
+        return hit[2]
+    out = _widths_of(widths_HD)
+    if len(_CHECKED) >= 256:
+        _CHECKED.clear()
+    _CHECKED[id(widths_HD)] = (weakref.ref(widths_HD), widths_HD._version, out)
+    return out
+
+
+def _widths_of(widths_HD: torch.Tensor) -> tuple[int, int]:
     if widths_HD.dim() != 2:
         raise ValueError(f"k_bits.shape={tuple(widths_HD.shape)} must be [H, D]")
     w = widths_HD.to(torch.int64)

@@ -426,3 +426,24 @@ def test_compiled_quantizer_is_bit_identical_to_the_reference(case, monkeypatch)
         assert a.dtype == b.dtype and a.shape == b.shape, f
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float16 else a,
                            b.view(torch.uint8) if b.dtype == torch.float16 else b), f
+
+
+def test_key_widths_are_checked_once_per_tensor_and_again_after_an_in_place_change():
+    """`_check_widths` remembers a widths tensor's result (profiles ask for their packed key bytes on every decode
+    call), and checks again once the tensor is modified in place."""
+    from kernels import kv_pack
+
+    w = torch.tensor([[3, 2, 4, 3], [2, 3, 3, 4]])
+    assert kv_pack._check_widths(w) == (12, 2)
+    calls = []
+    real = kv_pack._widths_of
+    kv_pack._widths_of = lambda t: calls.append(1) or real(t)
+    try:
+        assert kv_pack._check_widths(w) == (12, 2) and not calls  # remembered
+        w[0, 0] = 9  # in place: past MAX_CHANNEL_BITS
+        with pytest.raises(ValueError, match="k_bits values"):
+            kv_pack._check_widths(w)
+        assert calls == [1]
+        assert kv_pack._check_widths(torch.tensor([[4, 4]])) == (8, 1)  # another tensor, its own result
+    finally:
+        kv_pack._widths_of = real
