@@ -98,21 +98,29 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
 MAX_CHANNEL_BITS = 8
 
 
-# id(widths) -> (weak reference, tensor version, result): a profile's widths are checked once, not on every layer of
+# id(widths) -> (weak reference, what it held, result): a profile's widths are checked once, not on every layer of
 # every decode step (each check is ~6 tensor ops; `KVQuantProfile.k_packed_bytes` asks for it on every call)
 _CHECKED: dict[int, tuple] = {}
+
+
+def _held(widths_HD: torch.Tensor):
+    """What identifies the tensor's contents now: its version counter, or a copy for an inference tensor (which has
+    none)."""
+    return widths_HD.clone() if widths_HD.is_inference() else widths_HD._version
 
 
 def _check_widths(widths_HD: torch.Tensor) -> tuple[int, int]:
     """(bits per head row, packed bytes Pk) of per-channel widths [H, D]; ValueError naming the limit. Remembered per
     tensor (until it is modified in place)."""
     hit = _CHECKED.get(id(widths_HD))
-    if hit is not None and hit[0]() is widths_HD and hit[1] == widths_HD._version:
-        return hit[2]
+    if hit is not None and hit[0]() is widths_HD:
+        held = hit[1]
+        if (torch.equal(held, widths_HD) if isinstance(held, torch.Tensor) else held == widths_HD._version):
+            return hit[2]
     out = _widths_of(widths_HD)
     if len(_CHECKED) >= 256:
         _CHECKED.clear()
-    _CHECKED[id(widths_HD)] = (weakref.ref(widths_HD), widths_HD._version, out)
+    _CHECKED[id(widths_HD)] = (weakref.ref(widths_HD), _held(widths_HD), out)
     return out
 
 

@@ -445,5 +445,11 @@ def test_key_widths_are_checked_once_per_tensor_and_again_after_an_in_place_chan
             kv_pack._check_widths(w)
         assert calls == [1]
         assert kv_pack._check_widths(torch.tensor([[4, 4]])) == (8, 1)  # another tensor, its own result
+        with torch.inference_mode():  # an inference tensor has no version counter: compared by contents
+            wi = torch.tensor([[2, 2]])
+            assert kv_pack._check_widths(wi) == (4, 1) and kv_pack._check_widths(wi) == (4, 1)
+            wi[0, 1] = 0
+            with pytest.raises(ValueError, match="k_bits values"):
+                kv_pack._check_widths(wi)
     finally:
         kv_pack._widths_of = real
