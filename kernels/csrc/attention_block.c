@@ -8,8 +8,9 @@
      h_out = h + o Wo^T (+ bo); x_out = RMSNorm(h_out) * w                 (rms_norm.c)
 
    It runs the very kernels the PyTorch-level path calls one by one, in the same order on the same values, so its
-   outputs are bit-identical to that path; what it removes is the Python between them (~110 us of wrappers, views,
-   index_put writes and allocations per layer on the shipped model, about a quarter of a one-sequence decode step).
+   outputs are bit-identical to that path; what it removes is the Python between them (wrappers, views, index_put
+   writes, allocations: with the shared expert's call, a one-sequence decode step of the shipped model 1.30 -> 0.90 ms,
+   BENCHMARKS.md).
    One thread (the caller uses it only when the rows would not be split over compute threads anyway).  A cache that
    attends itself (the quantized one) or a step with prefills takes the two halves apart, `moeray_attention_in` and
    `moeray_attention_out`, with the cache's own attention between them. */
