@@ -72,21 +72,32 @@ class QuantizedDecode:
     def _decode_staged(self, layer, q_THD, plan, scale, out) -> bool:
         """The decode sequences' attention by the compiled kernel reading this layer's staging rows in place (no
         gather, RoPE pass or copy of every sequence's sink and tail per layer); False when it cannot run."""
-        tok, slot, outs = plan["tok"], plan["slot"], []
-        for name, ix in plan["groups"].items():
-            every = ix.numel() == tok.numel()  # one profile for the whole batch: no gathers
-
-            def pick(t):
-                return t if every else t[ix]
+        outs = []
+        for name, (tok, tables, sealed, sink_lens, tail_lens, slot) in _group_rows(plan).items():
             o = quant_attention.quant_decode_attention(
-                q_THD[pick(tok)].float(), self.views[self._key[name]][layer],
-                pick(plan["page_tables"]), pick(plan["context_lens"]), self.profiles[name].layers[layer], self.cos,
-                self.sin, scale, sink_lens=pick(plan["sink_lens"]), tail_lens=pick(plan["tail_lens"]),
-                staged=StagedRows(self.stage_k[layer], self.stage_v[layer], pick(slot), self.sink_tokens,
-                                  self.block_size))
+                q_THD[tok].float(), self.views[self._key[name]][layer], tables, sealed,
+                self.profiles[name].layers[layer], self.cos, self.sin, scale, sink_lens=sink_lens, tail_lens=tail_lens,
+                staged=StagedRows(self.stage_k[layer], self.stage_v[layer], slot, self.sink_tokens, self.block_size))
             if o is None:
                 return False
-            outs.append((pick(tok), o))
+            outs.append((tok, o))
         for t, o in outs:
             out[t] = o.to(out.dtype)
         return True
+
+
+_GROUP_FIELDS = ("tok", "page_tables", "context_lens", "sink_lens", "tail_lens", "slot")
+
+
+def _group_rows(plan) -> dict[str, tuple]:
+    """Per profile in the step, its decode sequences' plan tensors (`_GROUP_FIELDS`) as the compiled kernel reads
+    them: int64, contiguous, gathered once per step and kept in the plan, not again on every layer (one profile for
+    the whole batch: no gather)."""
+    got = plan.get("group_rows")
+    if got is None:
+        n = plan["tok"].numel()
+        got = plan["group_rows"] = {
+            name: tuple((plan[f] if ix.numel() == n else plan[f][ix]).to(torch.int64).contiguous()
+                        for f in _GROUP_FIELDS)
+            for name, ix in plan["groups"].items()}
+    return got
