@@ -12,9 +12,10 @@ on it. A `RoutingObserver` (the expert store's prefetch runtime, a calibration r
 `begin_step` first, then per MoE layer `on_hidden` (the residual stream entering the FFN) and `on_route`
 (the layer's routed ids).
 
-Decode steps on CPU run each layer's attention block (q/k/v linear through the post-attention norm) as one compiled
-call where the cache has full-precision pages (`attention_block`, bit-identical to the op-by-op path) and the shared
-expert as another (`shared_expert`): a decode step is bound by per-op overhead, ~25 us of Python per op here.
+On CPU each layer's attention block (the residual add and input norm through the post-attention norm) runs as
+compiled calls (`attention_block`, bit-identical to the op-by-op path: one call for a decode step over full-precision
+pages, two around any other cache's `attend`) and the shared expert as one more (`shared_expert`): a decode step is
+bound by per-op overhead, ~10-25 us of Python per op here.
 
 Two-batch overlap (`two_batch_min`, `actors.model.two_batch`): a decode-only step of agreed size may run as two
 micro-batches whose expert exchanges overlap the other's compute; `forward` decides from agreed values only.
