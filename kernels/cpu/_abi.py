@@ -40,9 +40,9 @@ class DecodeAttentionArgs(ctypes.Structure):
 
 class AttentionBlockArgs(ctypes.Structure):
     """`moeray_attention_block_args` (kernels/csrc/attention_block.c)."""
-    _fields_ = _fields("P h, P delta, P in_norm_w, P h_out, P x_out, L T, L D, P wqkv, P wqkv_p, P bqkv, P wo, P wo_p, P bo, P norm_w, "
-                       "F eps, P cos, P sin_signed, L P, P pos, P kc, P vc, L nslots, P slots, P bt, L mb, P ctx, "
-                       "P tok, L B, L H, L Hkv, L Dh, L S, F scale")
+    _fields_ = _fields("P h, P delta, P in_norm_w, P h_out, P x_out, L T, L D, P wqkv, P wqkv_p, P bqkv, P wo, "
+                       "P wo_p, P bo, P norm_w, F eps, P cos, P sin_signed, L P, P pos, P kc, P vc, L nslots, P slots, "
+                       "P bt, L mb, P ctx, P tok, L B, L H, L Hkv, L Dh, L S, F scale")
 
 
 class PrefillAttentionArgs(ctypes.Structure):

@@ -45,6 +45,29 @@ def _i64(*ts: torch.Tensor) -> bool:
     return True
 
 
+def _weights_ok(D: int, N: int, qd: int, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w) -> bool:
+    return (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, qd)
+            and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and f32_cpu(in_norm_w, norm_w) and in_norm_w.shape == (D,)
+            and norm_w.shape == (D,) and in_norm_w.is_contiguous() and norm_w.is_contiguous())
+
+
+def _rows_ok(h_TD: torch.Tensor, delta_TD: torch.Tensor | None) -> bool:
+    """fp32 contiguous [T, D] rows (and delta alike) that one thread runs: what both halves need of their input."""
+    if h_TD.dim() != 2 or not f32_cpu(h_TD) or not h_TD.is_contiguous():
+        return False
+    if delta_TD is not None and not (f32_cpu(delta_TD) and delta_TD.shape == h_TD.shape and delta_TD.is_contiguous()):
+        return False
+    T = h_TD.shape[0]
+    return 0 < T <= tuning.MAX_GEMM_ROWS and len(row_ranges(T)) == 1
+
+
+def _tables_ok(cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor, T: int) -> bool:
+    """fp32 contiguous RoPE tables of one shape and T int64 positions."""
+    return (cos_PD.dim() == 2 and f32_cpu(cos_PD, sin_signed_PD) and cos_PD.is_contiguous()
+            and sin_signed_PD.is_contiguous() and sin_signed_PD.shape == cos_PD.shape and _i64(positions_T)
+            and positions_T.shape == (T,))
+
+
 def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor, w_qkv: torch.Tensor,
                     b_qkv: torch.Tensor | None, w_o: torch.Tensor, b_o: torch.Tensor | None, norm_w: torch.Tensor,
                     eps: float, cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor, positions_T: torch.Tensor,
@@ -76,22 +99,16 @@ def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w
         MemoryError: the kernel's scratch could not be allocated.
     """
     lib = _build.lib()
-    if (lib is None or h_TD.dim() != 2 or not f32_cpu(h_TD, in_norm_w, norm_w, cos_PD, sin_signed_PD, k_cache, v_cache)
-            or (delta_TD is not None and not (f32_cpu(delta_TD) and delta_TD.shape == h_TD.shape
-                                              and delta_TD.is_contiguous()))):
+    if lib is None or not _rows_ok(h_TD, delta_TD) or k_cache.dim() != 4:
         return None
     T, D = h_TD.shape
-    if T == 0 or T > tuning.MAX_GEMM_ROWS or len(row_ranges(T)) != 1 or tokens_B.numel() != T:
-        return None
     NB, S, Hkv, Dh = k_cache.shape
-    N = (num_heads + 2 * Hkv) * Dh
-    if not (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, num_heads * Dh)
-            and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and norm_w.shape == (D,) and cos_PD.shape[1] == Dh
-            and h_TD.is_contiguous() and in_norm_w.shape == (D,) and in_norm_w.is_contiguous()
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
-            and cos_PD.is_contiguous() and sin_signed_PD.is_contiguous() and sin_signed_PD.shape == cos_PD.shape
-            and norm_w.is_contiguous() and block_tables_BM.dim() == 2
-            and _i64(positions_T, slots_T, tokens_B, block_tables_BM, context_lens_B)):
+    qd = num_heads * Dh
+    if not (tokens_B.numel() == T and _weights_ok(D, qd + 2 * Hkv * Dh, qd, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w)
+            and _tables_ok(cos_PD, sin_signed_PD, positions_T, T) and cos_PD.shape[1] == Dh
+            and f32_cpu(k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and v_cache.shape == k_cache.shape and block_tables_BM.dim() == 2
+            and _i64(slots_T, tokens_B, block_tables_BM, context_lens_B)):
         return None
     h_out, x_out = torch.empty(T, D), torch.empty(T, D)
     p_qkv, p_o = panels(w_qkv), panels(w_o)  # the packed copy `linear` would use (same policy, same kernel)
@@ -112,22 +129,6 @@ def attention_block(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w
     return h_out, x_out
 
 
-def _weights_ok(D: int, N: int, qd: int, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w) -> bool:
-    return (_bf16_matrix(w_qkv) and _bf16_matrix(w_o) and w_qkv.shape == (N, D) and w_o.shape == (D, qd)
-            and _bias_ok(b_qkv, N) and _bias_ok(b_o, D) and f32_cpu(in_norm_w, norm_w) and in_norm_w.shape == (D,)
-            and norm_w.shape == (D,) and in_norm_w.is_contiguous() and norm_w.is_contiguous())
-
-
-def _rows_ok(h_TD: torch.Tensor, delta_TD: torch.Tensor | None) -> bool:
-    """fp32 contiguous [T, D] rows (and delta alike) that one thread runs: what both halves need of their input."""
-    if h_TD.dim() != 2 or not f32_cpu(h_TD) or not h_TD.is_contiguous():
-        return False
-    if delta_TD is not None and not (f32_cpu(delta_TD) and delta_TD.shape == h_TD.shape and delta_TD.is_contiguous()):
-        return False
-    T = h_TD.shape[0]
-    return 0 < T <= tuning.MAX_GEMM_ROWS and len(row_ranges(T)) == 1
-
-
 def attention_halves_apply(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in_norm_w: torch.Tensor,
                            w_qkv: torch.Tensor, b_qkv: torch.Tensor | None, w_o: torch.Tensor, b_o: torch.Tensor | None,
                            norm_w: torch.Tensor, cos_PD: torch.Tensor, sin_signed_PD: torch.Tensor,
@@ -140,8 +141,7 @@ def attention_halves_apply(h_TD: torch.Tensor, delta_TD: torch.Tensor | None, in
     Dh = cos_PD.shape[1] if cos_PD.dim() == 2 else 0
     qd = num_heads * Dh
     return (Dh > 0 and _weights_ok(D, qd + 2 * num_kv_heads * Dh, qd, w_qkv, b_qkv, w_o, b_o, in_norm_w, norm_w)
-            and f32_cpu(cos_PD, sin_signed_PD) and cos_PD.is_contiguous() and sin_signed_PD.is_contiguous()
-            and sin_signed_PD.shape == cos_PD.shape and _i64(positions_T) and positions_T.shape == (T,))
+            and _tables_ok(cos_PD, sin_signed_PD, positions_T, T))
 
 
 def _args(**fields) -> AttentionBlockArgs:
