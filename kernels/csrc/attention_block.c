@@ -46,19 +46,6 @@ static long linear(const float *x, long sx, const uint16_t *w, const uint32_t *w
     return moeray_linear_bf16w(x, sx, w, b, y, N, M, N, K);
 }
 
-/* Per-thread scratch that only grows (a fresh block per call would pay its page faults every layer): NULL when it
-   cannot be allocated. */
-static float *scratch_of(size_t floats) {
-    static __thread float *scratch = NULL;
-    static __thread size_t cap = 0;
-    if (floats > cap) {
-        free(scratch);
-        scratch = (float *)malloc(floats * sizeof(float));
-        cap = scratch ? floats : 0;
-    }
-    return scratch;
-}
-
 static long check_positions(const moeray_attention_block_args *a) {
     for (long t = 0; t < a->T; t++)
         if (a->pos[t] < 0 || a->pos[t] >= a->P) return -2;
@@ -92,7 +79,7 @@ long moeray_attention_block(const moeray_attention_block_args *a) {
     if (check_positions(a)) return -2;
     for (long t = 0; t < T; t++)
         if (a->slots[t] < 0 || a->slots[t] >= a->nslots) return -3;
-    float *qkv = scratch_of((size_t)T * (size_t)(N + 2 * qd + 3 * D));  /* qkv, q, o, y, h_mid, x */
+    float *qkv = thread_scratch((size_t)T * (size_t)(N + 2 * qd + 3 * D));  /* qkv, q, o, y, h_mid, x */
     if (!qkv) return -1;
     float *q = qkv + T * N, *o = q + T * qd, *y = o + T * qd, *h_mid = y + T * D, *x = h_mid + T * D;
     const float *h = first_half(a, h_mid, x, qkv);
@@ -117,7 +104,7 @@ long moeray_attention_block(const moeray_attention_block_args *a) {
 long moeray_attention_in(const moeray_attention_block_args *a, float *h_mid, float *q, float *k, float *v) {
     const long T = a->T, D = a->D, H = a->H, Dh = a->Dh, qd = H * Dh, kd = a->Hkv * Dh, N = qd + 2 * kd;
     if (check_positions(a)) return -2;
-    float *qkv = scratch_of((size_t)T * (size_t)(N + D));
+    float *qkv = thread_scratch((size_t)T * (size_t)(N + D));
     if (!qkv || !first_half(a, h_mid, qkv + T * N, qkv)) return -1;
     moeray_rope(qkv, N, Dh, a->cos, a->sin_signed, a->pos, a->P, q, T, H, Dh);
     for (long t = 0; t < T; t++) {
@@ -130,6 +117,6 @@ long moeray_attention_in(const moeray_attention_block_args *a, float *h_mid, flo
 /* The block's second half alone: h_out / x_out from the residual stream h [T, D] (the first half's h_mid, or h)
    and the attention output o [T, H Dh].  Reads the output-linear and norm fields of `a`.  0; -1 without scratch. */
 long moeray_attention_out(const moeray_attention_block_args *a, const float *h, const float *o) {
-    float *y = scratch_of((size_t)a->T * (size_t)a->D);
+    float *y = thread_scratch((size_t)a->T * (size_t)a->D);
     return y ? second_half(a, h, o, y) : -1;
 }

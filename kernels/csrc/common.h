@@ -9,7 +9,21 @@
 #define MOERAY_COMMON_H
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <immintrin.h>
+
+/* At least `floats` floats of scratch kept per thread (one buffer per kernel file) that only grows: a fresh block per
+   call pays its page faults on every layer of every decode step.  NULL when it cannot be allocated. */
+static inline float *thread_scratch(size_t floats) {
+    static __thread float *scratch = NULL;
+    static __thread size_t cap = 0;
+    if (floats > cap) {
+        free(scratch);
+        scratch = (float *)malloc(floats * sizeof(float));
+        cap = scratch ? floats : 0;
+    }
+    return scratch;
+}
 
 /* 8 bf16 -> 8 fp32: zero-extend to 32 bits and shift into the high half (exact). */
 static inline __m256 load8(const uint16_t *p) {

@@ -107,14 +107,13 @@ typedef struct {
 
 long moeray_shared_expert(const moeray_shared_expert_args *a) {
     const long T = a->T, I = a->I, D = a->D;
-    float *t = (float *)malloc((size_t)(T > 0 ? T : 1) * (size_t)(2 * I) * sizeof(float));
+    float *t = thread_scratch((size_t)(T > 0 ? T : 1) * (size_t)(2 * I));
     if (!t) return -1;
     for (long r = 0; r < T; r++) memcpy(t + r * 2 * I, a->y + r * a->sy + a->off, (size_t)(2 * I) * sizeof(float));
     swiglu_rows(t, T, I);
     long rc = 0;
     if (a->dnp) moeray_linear_panels(t, 2 * I, a->dnp, NULL, a->out, D, T, D, I);
     else rc = moeray_linear_bf16w(t, 2 * I, a->dn, NULL, a->out, D, T, D, I);
-    free(t);
     if (rc) return -1;
     for (long r = 0; r < T; r++) {
         float g = 1.0f / (1.0f + expf(-a->y[r * a->sy + a->off + 2 * I]));

@@ -476,16 +476,8 @@ long moeray_quant_decode_attention(const moeray_quant_decode_args *a) {
         if (a->stk ? t > a->maxpos : a->ctx[b] > 0 && ns + a->ctx[b] > a->maxpos) return -4;
         if (t <= WHOLE_ROWS && t > rows) rows = t;
     }
-    /* the rows' scratch is kept per thread and only grows (a fresh block per call cost its page faults on every
-       layer of every step) */
-    static __thread float *scratch = NULL;
-    static __thread size_t cap = 0;
-    const size_t need = (size_t)(2 * rows * row + 2 * Hq + Hq * D + 2 * CHUNK);
-    if (need > cap) {
-        free(scratch);
-        scratch = (float *)malloc(need * sizeof(float));
-        cap = scratch ? need : 0;
-    }
+    /* the rows made whole or one chunk of them, then the online softmax state */
+    float *const scratch = thread_scratch((size_t)(2 * rows * row + 2 * Hq + Hq * D + 2 * CHUNK));
     struct unpacker u;
     if (!scratch || unpacker_init(a, &u)) return -1;
     float *const tail = scratch + 2 * rows * row;
