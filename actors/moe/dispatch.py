@@ -43,6 +43,7 @@ from actors.moe.exchange import (AgreedCapacityExchange, CountsExchange, Dispatc
                                  LocalExchange, weigh_pairs)
 from actors.moe.experts import ExpertRows, Experts
 from actors.moe.placement import ExpertPlacement, water_fill
+from actors.moe.slot_exchange import SlotExchange
 from actors.moe.split_dispatch import SplitDispatchMixin
 from kernels import tuning
 
@@ -108,7 +109,7 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
         self.group = group
         self.device = torch.device(device)
         self.shm = shm
-        self.comm_s = 0.0
+        self._comm_s = 0.0
         self.max_experts_per_token = max_experts_per_token
         self._local = LocalExchange()
         self._exchange = self._local if self.world == 1 else CountsExchange(self.world, self._a2a)
@@ -119,10 +120,18 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
         self.can_overlap = self.world > 1 and (shm is None or callable(getattr(shm, "post", None)))
         if shm is not None and self._fixed is not None:  # an equal-split transport carries every step
             self._exchange = AgreedCapacityExchange(self.world, self._a2a, self._fixed)
+        # same-node shared memory: the decode layers' rows, experts and results in its slots (no copies)
+        self._slots = SlotExchange(shm) if self.world > 1 and SlotExchange.usable(shm) else None
         self._sent = torch.zeros(placement.num_layers, self.world, dtype=torch.int64, device=self.device)
         self._sent_fast = [0] * placement.num_layers  # rows of the one-token fast path (host ints: no tensor op)
         self._tok_of = {}  # (T, K) -> token index of each (token, k) pair [T * K] (read only: 2 ops per layer saved)
         self.set_placement(placement)
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds in collectives (cumulative): the all-to-alls', plus the slot exchange's packing, waits and
+        combines."""
+        return self._comm_s + (self._slots.comm_s if self._slots is not None else 0.0)
 
     @property
     def sent_rows(self) -> torch.Tensor:
@@ -180,7 +189,7 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
             self._a2a_pieces(out, inp)  # too large for one call, not for one row: in pieces
         else:
             dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-        self.comm_s += time.perf_counter() - t0
+        self._comm_s += time.perf_counter() - t0
 
     def _a2a_pieces(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """An equal-split all-to-all larger than one transport call, in calls of as many rows per peer as fit (the
@@ -243,6 +252,10 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
             return self._dispatch_local(layer, x_TD, self.local_row[layer][topk_ids_TK], may_pad)
         exchange, capacity = self._step_exchange(K, step_max_tokens)
         if exchange is self._fixed and not may_pad and self.rep_list[layer] is None:  # decode, no replicas
+            if self._slots is not None and self._slots.fits(x_TD, capacity):  # same node: in the segment's slots
+                rows, state = self._slots.send_ids(x_TD, topk_ids_TK, self.rank_of[layer], self.local_of[layer],
+                                                   self._sent[layer], capacity)
+                return rows, DispatchHandle(self._slots, state, T, K)
             got = exchange.send_ids(x_TD, topk_ids_TK, self.rank_of[layer], self.local_of[layer], self._sent[layer],
                                     capacity)
             if got is not None:
@@ -289,6 +302,8 @@ class AllToAllDispatcher(SplitDispatchMixin, Dispatcher):
     def combine(self, y_RD, handle, topk_w_TK):
         if handle.exchange is None:  # the one-rank paths: the experts already weighed and summed each token's K
             return y_RD
+        if handle.exchange is self._slots:  # the results wait in the slots (y_RD is None)
+            return self._slots.combine(handle.state, topk_w_TK)
         if handle.exchange is self._fixed and handle.keep_V is None:  # gathered and weighed in one call
             return self._fixed.receive_weighed(y_RD, handle.state, topk_w_TK)
         return self._weigh(handle.exchange.receive(y_RD, handle.state), handle, topk_w_TK)

@@ -17,7 +17,7 @@ E_loc = experts held on this rank, K = experts per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,16 +64,21 @@ class ExpertRows:
     each one's expert [R] (int64).
 
     kind: "rows" (every row real), "padded" (rows with id -1 from a fixed-capacity exchange: zero results),
-    "token" (one token [1, D] and its K local ids [K]: the experts weigh and sum them, `combine_token`) or
-    "tokens" (the step's tokens [T, D] and their local ids [T, K]: likewise, `combine_tokens`)."""
+    "token" (one token [1, D] and its K local ids [K]: the experts weigh and sum them, `combine_token`),
+    "tokens" (the step's tokens [T, D] and their local ids [T, K]: likewise, `combine_tokens`) or "slots" (the rows
+    lie in a shared-memory exchange's slots, x_RD and local_ids_R are None: `source.run(experts)` runs them there
+    and leaves the results for the dispatcher's combine, `actors.moe.slot_exchange`)."""
 
-    x_RD: torch.Tensor
-    local_ids_R: torch.Tensor
+    x_RD: torch.Tensor | None
+    local_ids_R: torch.Tensor | None
     kind: str = "rows"
+    source: Any = None
 
-    def run(self, experts: Experts, topk_w_TK: torch.Tensor) -> torch.Tensor:
+    def run(self, experts: Experts, topk_w_TK: torch.Tensor) -> torch.Tensor | None:
         """The experts on these rows: [R, D] results (kinds "token" and "tokens": [T, D], already weighted and
-        summed)."""
+        summed; "slots": None, the results stay in the slots)."""
+        if self.kind == "slots":
+            return self.source.run(experts)
         if self.kind == "token":
             return experts.combine_token(self.x_RD, self.local_ids_R, topk_w_TK)
         if self.kind == "tokens":

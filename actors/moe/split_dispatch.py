@@ -50,7 +50,7 @@ class PendingExchange:
 
 class SplitDispatchMixin:
     """The split calls of `actors.moe.dispatch.AllToAllDispatcher` (a mixin on its state: world, group, shm,
-    comm_s, max_experts_per_token, replicated, local_row, _fixed, _sent, can_overlap)."""
+    _comm_s, max_experts_per_token, replicated, local_row, _fixed, _sent, can_overlap)."""
 
     def overlaps(self, step_max_tokens: int | None) -> bool:
         """Whether a step whose agreed largest token count is `step_max_tokens` can run as two micro-batches of at
@@ -112,7 +112,7 @@ class SplitDispatchMixin:
             token = (self.shm.post(inp), out)
         else:
             token = (dist.all_to_all_single(out, inp, group=self.group, async_op=True), None)
-        self.comm_s += time.perf_counter() - t0
+        self._comm_s += time.perf_counter() - t0
         return token
 
     def _a2a_wait(self, token: tuple) -> None:
@@ -122,4 +122,4 @@ class SplitDispatchMixin:
             self.shm.complete(call, out)
         else:
             call.wait()
-        self.comm_s += time.perf_counter() - t0
+        self._comm_s += time.perf_counter() - t0

@@ -155,11 +155,11 @@ class ShmAllToAll:
             self._counters[:] = 0
         self._data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=world * LINE,
                                       count=2 * world * world * slot_bytes)
-        self._base = self._counters.ctypes.data  # the segment's address, for the C calls
+        self.base = self._counters.ctypes.data  # the segment's address, for the C calls
         # (send, recv) in C, or None: Python copies and polling
         self._c = shm_a2a_entry_points() if platform.machine().lower() in ("x86_64", "amd64") else None
-        self._spin_ns, self._slice_ns = int(SPIN_S * 1e9), int(LIVENESS_S * 1e9)
-        self._step_spin_ns, self._yield_ns = int(STEP_SPIN_S * 1e9), int(YIELD_S * 1e9)
+        self._spin_ns, self.slice_ns = int(SPIN_S * 1e9), int(LIVENESS_S * 1e9)
+        self.step_spin_ns, self.yield_ns = int(STEP_SPIN_S * 1e9), int(YIELD_S * 1e9)
         self._calls = 0
         self.calls = 0  # completed calls (statistics)
         self.wait_s = 0.0  # seconds spent waiting for peers (statistics)
@@ -241,7 +241,8 @@ class ShmAllToAll:
         `close`: the callers then take torch.distributed)."""
         return not self.closed and nbytes_per_peer <= self.slot_bytes
 
-    def _slot(self, bank: int, src: int, dst: int, nbytes: int) -> torch.Tensor:
+    def slot(self, bank: int, src: int, dst: int, nbytes: int) -> torch.Tensor:
+        """The first nbytes of slot (bank, src, dst) of the segment, as a uint8 tensor view (no copy)."""
         off = ((bank * self.world + src) * self.world + dst) * self.slot_bytes
         return self._data[off: off + nbytes]
 
@@ -263,7 +264,7 @@ class ShmAllToAll:
         if not self.fits(nb):
             raise ValueError(f"all_to_all_single: {nb} bytes per peer exceeds slot_bytes={self.slot_bytes}")
         if self._c is not None:
-            self._c_call(out, inp, nb, self._step_spin_ns if within_step else self._spin_ns)
+            self._c_call(out, inp, nb, self.step_spin_ns if within_step else self._spin_ns)
         else:
             self._py_call(out, inp, nb)
         self._calls += 1
@@ -271,16 +272,23 @@ class ShmAllToAll:
 
     def _c_call(self, out: torch.Tensor, inp: torch.Tensor, nb: int, spin_ns: int) -> None:
         send, recv = self._c
-        args = (self._base, LINE, self.world, self.rank, self.slot_bytes, self._calls)
+        args = (self.base, LINE, self.world, self.rank, self.slot_bytes, self._calls)
         send(*args, inp.data_ptr(), out.data_ptr(), nb)
         t0 = time.perf_counter()
-        s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns, self._yield_ns)
+        s = recv(*args, out.data_ptr(), nb, spin_ns, self.slice_ns, self.yield_ns)
         while s >= 0:  # a peer did not arrive within LIVENESS_S: is it alive, are we past the timeout?
-            self._check(s, time.perf_counter() - t0)
-            s = recv(*args, out.data_ptr(), nb, spin_ns, self._slice_ns, self._yield_ns)
+            self.check_peer(s, time.perf_counter() - t0)
+            s = recv(*args, out.data_ptr(), nb, spin_ns, self.slice_ns, self.yield_ns)
         self.wait_s += time.perf_counter() - t0
 
-    def _check(self, s: int, waited: float) -> None:
+    def reserve(self, n: int) -> int:
+        """Numbers for n collectives a caller makes on the segment itself (`actors.moe.slot_exchange`, over `base`
+        with this rank's `step_spin_ns` / `slice_ns` / `yield_ns` waits): returns the first; the next call is first + n."""
+        first, self._calls, self.calls = self._calls, self._calls + n, self.calls + n
+        return first
+
+    def check_peer(self, s: int, waited: float) -> None:
+        """After a wait slice for rank s ran out: raises RuntimeError when interrupted, past the timeout, or s exited."""
         if self.interrupted:
             raise RuntimeError(f"shared-memory all_to_all: interrupted while waiting for rank {s} (regroup)")
         if waited > self.timeout_s:
@@ -294,14 +302,14 @@ class ShmAllToAll:
         bank, target = self._calls & 1, self._calls + 1
         for d in range(W):
             if d != r:
-                self._slot(bank, r, d, nb).copy_(src_b[d])
+                self.slot(bank, r, d, nb).copy_(src_b[d])
         dst_b[r].copy_(src_b[r])
         self._counters[r] = target  # publish after the data (x86-64 keeps store order)
         for s in range(W):
             if s != r:
                 if self._counters[s] < target:
                     self._wait(s, target)
-                dst_b[s].copy_(self._slot(bank, s, r, nb))
+                dst_b[s].copy_(self.slot(bank, s, r, nb))
 
     def _wait(self, s: int, target: int) -> None:
         t0 = time.perf_counter()
@@ -320,7 +328,7 @@ class ShmAllToAll:
                     sleep = 5e-5
                 if waited > next_check:  # reading /proc costs ~20-50 us: not on every poll
                     next_check = waited + LIVENESS_S
-                    self._check(s, waited)
+                    self.check_peer(s, waited)
         self.wait_s += time.perf_counter() - t0
 
     def interrupt(self) -> None:

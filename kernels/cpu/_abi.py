@@ -87,6 +87,24 @@ class WeighRowsArgs(ctypes.Structure):
     _fields_ = _fields("P y, L D, L ys, P slot, P w, L T, L K, P out")
 
 
+class EpDispatchArgs(ctypes.Structure):
+    """`moeray_ep_dispatch_args` (kernels/csrc/ep_exchange.c)."""
+    _fields_ = _fields("P base, L line, L W, L r, L slot_bytes, L call, P x, L sx, L D, P ids, L T, L K, P rank_of, "
+                       "P local_of, L E, L C, P slot, P sent")
+
+
+class EpExpertsArgs(ctypes.Structure):
+    """`moeray_ep_experts_args` (kernels/csrc/ep_exchange.c)."""
+    _fields_ = _fields("P base, L line, L W, L r, L slot_bytes, L call, L C, L D, L I, L E, P gu, P dn, P gup, P dnp, "
+                       "L next, L spin_ns, L wait_ns, L yield_ns, L waited_ns")
+
+
+class EpCombineArgs(ctypes.Structure):
+    """`moeray_ep_combine_args` (kernels/csrc/ep_exchange.c)."""
+    _fields_ = _fields("P base, L line, L W, L r, L slot_bytes, L call, L C, L D, P slot, P w, L T, L K, P out, "
+                       "L spin_ns, L wait_ns, L yield_ns, L waited_ns")
+
+
 class TopkSoftmaxArgs(ctypes.Structure):
     """`moeray_topk_softmax_args` (kernels/csrc/topk_softmax.c)."""
     _fields_ = _fields("P x, L sx, L T, L E, L K, L renorm, P bias, P w, P ids")
@@ -174,6 +192,11 @@ SIGNATURES = {
     "moeray_unpack_codes_var": ([_P, _L, _L, _L, _P, _L, _P], None),
     "moeray_shm_a2a_send": ([_P, _L, _L, _L, _L, _L, _P, _P, _L], None),
     "moeray_shm_a2a_recv": ([_P, _L, _L, _L, _L, _L, _P, _L, _L, _L, _L], _L),
+    "moeray_shm_publish": ([_P, _L, _L, _L], None),
+    "moeray_shm_wait": ([_P, _L, _L, _L, _L, _L, _L], _L),
+    "moeray_ep_dispatch": (_ptr(EpDispatchArgs), _L),
+    "moeray_ep_experts": (_ptr(EpExpertsArgs), _L),
+    "moeray_ep_combine": (_ptr(EpCombineArgs), _L),
 }
 
 F32 = torch.float32

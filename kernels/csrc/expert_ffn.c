@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "gemm.h"
+#include "entry_points.h"
 
 /* Pair r goes through expert e = ids[r] (gu [E, 2I, D]: gate rows then up rows; dn [E, D, I]) on token row
    x[r / K] (K: pairs per token): f(x) = dn_e (silu(gate_e x) * (up_e x)).  Without wts: y[r] = f(x[r / K]) (a pair
@@ -73,10 +74,6 @@ static int expert_ffn_bf16w(const float *x, long sx, const uint16_t *gu, const u
 }
 
 /* Entry point: expert_ffn_bf16w's arguments as one struct (kernels/cpu/_abi.py: ExpertFFNArgs). */
-typedef struct {
-    const float *x; long sx; const uint16_t *gu, *dn; const uint32_t *gup, *dnp; const long *ids; const float *wts;
-    long R, K, E, D, I; float *y; long sy;
-} moeray_expert_ffn_bf16w_args;
 
 long moeray_expert_ffn_bf16w(const moeray_expert_ffn_bf16w_args *a) {
     return expert_ffn_bf16w(a->x, a->sx, a->gu, a->dn, a->gup, a->dnp, a->ids, a->wts, a->R, a->K, a->E, a->D, a->I,

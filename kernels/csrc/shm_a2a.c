@@ -11,27 +11,7 @@
    (lock xadd: a full fence), re-reads counter[s] and FUTEX_WAITs on its low word with that value.  Both sides
    fence between their store and their load, so either the publisher sees the sleeper and wakes it, or the
    waiter sees the new counter (a futex wait on a changed word returns at once); no wake-up is lost. */
-#define _GNU_SOURCE
-#include <limits.h>
-#include <linux/futex.h>
-#include <stdint.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <sched.h>
-#include <time.h>
-#include <unistd.h>
-#include <immintrin.h>
-
-static inline int64_t *counter(char *base, long line, long r) { return (int64_t *)(base + r * line); }
-static inline int32_t *sleepers(char *base, long line, long r) { return (int32_t *)(base + r * line + 8); }
-static inline char *slot(char *base, long line, long W, long slot_bytes, long bank, long src, long dst) {
-    return base + W * line + ((bank * W + src) * W + dst) * slot_bytes;
-}
-static inline long now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1000000000L + t.tv_nsec;
-}
+#include "shm_sync.h"
 
 /* Call number `call` (0-based) of rank r, first half: inp's chunk for rank d (nb bytes each, W chunks) into
    slot(call % 2, r, d), its own chunk straight to out, then counter[r] = call + 1 (waking sleepers). */
@@ -41,43 +21,7 @@ void moeray_shm_a2a_send(char *base, long line, long W, long r, long slot_bytes,
     for (long d = 0; d < W; d++)
         if (d != r) memcpy(slot(base, line, W, slot_bytes, bank, r, d), inp + d * nb, (size_t)nb);
     memcpy(out + r * nb, inp + r * nb, (size_t)nb);
-    __atomic_store_n(counter(base, line, r), (int64_t)(call + 1), __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(sleepers(base, line, r), __ATOMIC_SEQ_CST) > 0)
-        syscall(SYS_futex, (uint32_t *)counter(base, line, r), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
-/* Until counter[s] >= target: 1 when it is, 0 when wait_ns passed first (spinning the first spin_ns, with a
-   sched_yield every yield_ns when that is > 0: another task queued on this core runs now, not at the next tick). */
-static int wait_for(char *base, long line, long s, int64_t target, long spin_ns, long deadline_ns, long yield_ns) {
-    int64_t *c = counter(base, line, s);
-    if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= target) return 1;
-    const long t0 = now_ns();
-    long last_yield = t0;
-    for (;;) {
-        for (int i = 0; i < 32; i++) {
-            _mm_pause();
-            if (__atomic_load_n(c, __ATOMIC_ACQUIRE) >= target) return 1;
-        }
-        const long t = now_ns();
-        if (t - t0 >= spin_ns || t >= deadline_ns) break;
-        if (yield_ns > 0 && t - last_yield >= yield_ns) {  /* a task queued on this core runs now, not at the tick */
-            sched_yield();
-            last_yield = t;
-        }
-    }
-    int32_t *z = sleepers(base, line, s);
-    __atomic_fetch_add(z, 1, __ATOMIC_SEQ_CST);
-    int ok = 0;
-    for (;;) {
-        const int64_t v = __atomic_load_n(c, __ATOMIC_SEQ_CST);
-        if (v >= target) { ok = 1; break; }
-        const long left = deadline_ns - now_ns();
-        if (left <= 0) break;
-        struct timespec ts = { left / 1000000000L, left % 1000000000L };  /* FUTEX_WAIT: a relative timeout */
-        syscall(SYS_futex, (uint32_t *)c, FUTEX_WAIT, (uint32_t)v, &ts, NULL, 0);
-    }
-    __atomic_fetch_sub(z, 1, __ATOMIC_SEQ_CST);
-    return ok;
+    shm_publish(base, line, r, (int64_t)(call + 1));
 }
 
 /* Second half: for every peer s in order, wait until counter[s] >= call + 1, then copy slot(call % 2, s, r) to

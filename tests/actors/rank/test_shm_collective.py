@@ -307,7 +307,7 @@ def test_a_call_within_a_step_spins_longer_before_sleeping():
     a = ShmAllToAll(0, 2, name, 4096, 10.0, [os.getpid()] * 2, create=True)
     b = ShmAllToAll(1, 2, name, 4096, 10.0, [os.getpid()] * 2)
     try:
-        a._spin_ns, a._step_spin_ns = 30_000, 10_000_000  # 30 us / 10 ms
+        a._spin_ns, a.step_spin_ns = 30_000, 10_000_000  # 30 us / 10 ms
         burnt = {}
         for within in (False, True):
             def late_peer():
@@ -343,9 +343,9 @@ def test_a_spinning_rank_yields_its_core_to_a_thread_queued_there():
     cpu = min(os.sched_getaffinity(0))
     took = {}
     try:
-        a._step_spin_ns = 2_000_000_000  # spin through the whole test
+        a.step_spin_ns = 2_000_000_000  # spin through the whole test
         for yield_ns in (0, 50_000):
-            a._yield_ns = yield_ns
+            a.yield_ns = yield_ns
             started = threading.Event()
 
             def work_then_arrive():
