@@ -45,7 +45,7 @@ class ClusterConfig:
     PACK / STRICT_PACK with ranks_per_node are a ValueError (they would stack groups on one node).
     placement_timeout_s: seconds `EPCluster` waits for Ray to place the rank placement group before it gives up
     with `cluster.node_groups.PlacementTimeoutError` (a TimeoutError naming the layout and the cluster's
-    resources); finite and > 0. Patient by default (nodes may be autoscaled in); `moeray generate|serve
+    resources); finite and > 0. rank_niceness: the rank actors' CPU niceness, 0..19 or None (see the field). Patient by default (nodes may be autoscaled in); `moeray generate|serve
     --placement-timeout-s` defaults to CLI_PLACEMENT_TIMEOUT_S.
     """
 
@@ -74,6 +74,11 @@ class ClusterConfig:
     # fixed-capacity dispatch) go through shared memory (`actors.rank.shm_collective`); "torch": all via gloo/NCCL
     transport: str = "auto"
     engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
+    # the rank actors' CPU niceness (`RAY_worker_niceness` in their runtime env; None: Ray's 15 for workers, below
+    # its own daemons and any nice-0 process). Ranks step in lockstep, so a rank that a nice-0 process preempts
+    # stalls every peer at its next exchange: 0 (as Ray's job drivers run) serves 2 ranks x 64 streams ~15% faster
+    # through HTTP on 2 cores (BENCHMARKS.md). 0..19: raising the niceness needs no privilege, lowering it would.
+    rank_niceness: int | None = 0
     # the router's rank choice (router_service/prefix_affinity.py, after Ray Serve LLM's PrefixCacheAffinityRouter):
     # the rank whose past prompts share the longest prefix with a request, when its requests in flight are within
     # `imbalanced_threshold` of the least-loaded rank's and the match covers >= `match_rate_threshold` of the
@@ -97,6 +102,8 @@ class ClusterConfig:
         check_prefix_routing(self.prefix_routing_imbalanced_threshold, self.prefix_routing_match_rate_threshold)
         if self.num_threads_per_rank < 0:
             raise ValueError(f"num_threads_per_rank={self.num_threads_per_rank} must be >= 0 (0: automatic)")
+        if self.rank_niceness is not None and not 0 <= self.rank_niceness <= 19:
+            raise ValueError(f"rank_niceness={self.rank_niceness} must be in [0, 19] or None (Ray's default)")
         if self.num_cpus_per_rank <= 0:
             raise ValueError(f"num_cpus_per_rank={self.num_cpus_per_rank} must be > 0")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

@@ -109,6 +109,8 @@ class EPCluster(ElasticGroup):
         self.ranks = [
             actor_cls.options(
                 num_cpus=cfg.num_cpus_per_rank, num_gpus=cfg.num_gpus_per_rank, max_concurrency=16,
+                runtime_env=None if cfg.rank_niceness is None else {
+                    "env_vars": {"RAY_worker_niceness": str(cfg.rank_niceness)}},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.pg, placement_group_bundle_index=bundle_of(i, cfg.ranks_per_node)),
             ).remote(i, cfg.ranks, cfg.engine_config(), self.placement.to_dict(), cfg.num_threads_per_rank,

@@ -112,3 +112,18 @@ def test_idle_cluster_does_not_spin(llm2):
     time.sleep(5.0)
     used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
     assert max(used) < 0.2, f"rank CPU seconds over 5 idle seconds: {used}"
+
+
+def test_ranks_run_at_niceness_0_not_rays_15(llm2):
+    """Ray starts its workers at niceness 15; the rank actors ask for 0 (`ClusterConfig.rank_niceness`): a
+    lockstep rank preempted by any nice-0 process stalls its peers."""
+    for info in llm2.cluster.info:
+        assert psutil.Process(info["pid"]).nice() == 0
+
+
+def test_rank_niceness_is_checked():
+    from cluster.config import ClusterConfig
+
+    assert ClusterConfig(rank_niceness=None).rank_niceness is None  # Ray's own (15)
+    with pytest.raises(ValueError, match=r"rank_niceness=-1 must be in \[0, 19\] or None"):
+        ClusterConfig(rank_niceness=-1)
