@@ -45,8 +45,9 @@ class ClusterConfig:
     PACK / STRICT_PACK with ranks_per_node are a ValueError (they would stack groups on one node).
     placement_timeout_s: seconds `EPCluster` waits for Ray to place the rank placement group before it gives up
     with `cluster.node_groups.PlacementTimeoutError` (a TimeoutError naming the layout and the cluster's
-    resources); finite and > 0. rank_niceness: the rank actors' CPU niceness, 0..19 or None (see the field). Patient by default (nodes may be autoscaled in); `moeray generate|serve
-    --placement-timeout-s` defaults to CLI_PLACEMENT_TIMEOUT_S.
+    resources); finite and > 0. Patient by default (nodes may be autoscaled in); `moeray generate|serve
+    --placement-timeout-s` defaults to CLI_PLACEMENT_TIMEOUT_S. rank_niceness: the rank actors' CPU niceness, 0..19
+    or None (see the field).
     """
 
     model: str = DEFAULT_MODEL

@@ -18,7 +18,10 @@ The same-node shared-memory transport (`actors.rank.shm_collective`, or TCP acro
 is given to the constructor and carries the collectives whose sizes every rank knows in advance; then a step
 that is not fixed-capacity (a prefill) takes `AgreedCapacityExchange` instead of uneven splits: the W x W pair
 counts first, then the fixed-capacity exchange at the largest of them, in pieces when a call cannot carry it all.
-So no step waits in gloo's all-to-all (slower, and a wait there cannot be interrupted by an elastic regroup).
+So no step waits in gloo's all-to-all (slower, and a wait there cannot be interrupted by an elastic regroup). A decode
+layer without replicas or padding ids over that transport goes further: its rows, experts and results stay in the
+segment's slots (`actors.moe.slot_exchange.SlotExchange`: no buffers or copies, the own chunk's experts before any
+wait), and `combine` weighs from them.
 
 Redundant experts (EPLB-style placement, `actors.moe.placement`, `cluster.placement.eplb_placement`): an
 expert may have replicas on several ranks; each (token, expert) pair goes to exactly one replica, chosen so

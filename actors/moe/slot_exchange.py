@@ -159,8 +159,8 @@ class SlotExchange:
         w = w_TK if w_TK.dtype is torch.float32 and w_TK.is_contiguous() else w_TK.to(torch.float32).contiguous()
         out = torch.empty(T, rows.D, dtype=torch.float32)
         c = self._c
-        c.call, c.C, c.D, c.slot, c.w, c.T, c.K, c.out = rows.call, rows.C, rows.D, slot.data_ptr(), w.data_ptr(), T, K, \
-            out.data_ptr()
+        c.call, c.C, c.D, c.slot, c.w = rows.call, rows.C, rows.D, slot.data_ptr(), w.data_ptr()
+        c.T, c.K, c.out = T, K, out.data_ptr()
         c.spin_ns, c.wait_ns, c.yield_ns, c.waited_ns = shm.step_spin_ns, shm.slice_ns, shm.yield_ns, 0
         s = self.lib.moeray_ep_combine(ctypes.byref(c))
         while s >= 0:

@@ -9,10 +9,11 @@ collectives, at a fraction of gloo's latency.
 
 What goes through it. Only collectives whose sizes every rank knows in advance: the lockstep loop's flag
 exchange and the fixed-capacity decode dispatch (`actors.moe.exchange.FixedCapacityExchange`), where
-every rank sends every rank the same number of bytes. The uneven, counts-first all-to-all (prefill, large
-batches) stays on torch.distributed (gloo), as does everything else. All ranks run the same sequence of
-collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()` depends
-only on the agreed size.
+every rank sends every rank the same number of bytes; a prefill's exchange as that too, after its counts
+(`AgreedCapacityExchange`, in pieces when large). The decode MoE layers use the segment itself beyond calls
+(`actors.moe.slot_exchange`: rows and results read in place, numbered through `reserve`). All ranks run the same
+sequence of collectives (lockstep), so which transport a call uses is the same decision on every rank: `fits()`
+depends only on the agreed size.
 
 Protocol (one segment per EP group). A header of W int64 counters (one 64-byte line each, holding the
 counter at byte 0 and its int32 sleeper count at byte 8), then two banks
@@ -283,12 +284,14 @@ class ShmAllToAll:
 
     def reserve(self, n: int) -> int:
         """Numbers for n collectives a caller makes on the segment itself (`actors.moe.slot_exchange`, over `base`
-        with this rank's `step_spin_ns` / `slice_ns` / `yield_ns` waits): returns the first; the next call is first + n."""
+        with this rank's `step_spin_ns` / `slice_ns` / `yield_ns` waits): returns the first; the next call is
+        first + n."""
         first, self._calls, self.calls = self._calls, self._calls + n, self.calls + n
         return first
 
     def check_peer(self, s: int, waited: float) -> None:
-        """After a wait slice for rank s ran out: raises RuntimeError when interrupted, past the timeout, or s exited."""
+        """After a wait slice for rank s ran out: raises RuntimeError when interrupted, past the timeout, or when s
+        exited."""
         if self.interrupted:
             raise RuntimeError(f"shared-memory all_to_all: interrupted while waiting for rank {s} (regroup)")
         if waited > self.timeout_s:

@@ -1,7 +1,7 @@
 """The decode exchange in the shared-memory segment's slots (`actors.moe.slot_exchange`) over real processes: equal
-to world_size == 1 and to the fixed-capacity exchange it replaces (to fp32 rounding), for bf16 experts (the compiled path) and fp32
-ones (run_padded chunk by chunk), with a rank holding no tokens, several layers and steps in a row, the transport's
-own all-to-all between steps, and a peer that arrives late."""
+to world_size == 1 and to the fixed-capacity exchange it replaces (to fp32 rounding), for bf16 experts (the compiled
+path) and fp32 ones (run_padded chunk by chunk), with a rank holding no tokens, several layers and steps in a row,
+the transport's own all-to-all between steps, and a peer that arrives late."""
 from __future__ import annotations
 
 import time
