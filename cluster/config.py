@@ -76,11 +76,11 @@ class ClusterConfig:
     transport: str = "auto"
     engine_options: dict = field(default_factory=dict)  # extra EngineConfig fields (kv_bits, weight_bits, ...)
     # the rank actors' CPU niceness (`RAY_worker_niceness` in their runtime env; None: Ray's 15 for workers, below
-    # its own daemons and any nice-0 process). Lockstep ranks that a nice-0 process preempts stall every peer at the
-    # next exchange; 0 (as Ray runs job drivers) lifts them above the front door as well, which starves it where the
-    # ranks hold every core: on 2 cores, 2 ranks x 64 streams +12-20% tok/s but bursty streams (ITL p99 96 ms, max
-    # gap ratio 1.6; BENCHMARKS.md), so the default stays Ray's. 0..19: lowering a niceness would need privilege.
-    rank_niceness: int | None = None
+    # its own daemons and any nice-0 process, whose every wake-up preempts a rank at once; lockstep ranks then stall
+    # each other at the next exchange). 0, as Ray runs job drivers, with the Serve replica (the front door) at 0 as
+    # well (`router_service.serve.deployment`): a rank above the front door starves it where the ranks hold every
+    # core (BENCHMARKS.md). 0..19: lowering a niceness would need privilege.
+    rank_niceness: int | None = 0
     # the router's rank choice (router_service/prefix_affinity.py, after Ray Serve LLM's PrefixCacheAffinityRouter):
     # the rank whose past prompts share the longest prefix with a request, when its requests in flight are within
     # `imbalanced_threshold` of the least-loaded rank's and the match covers >= `match_rate_threshold` of the

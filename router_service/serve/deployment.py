@@ -96,8 +96,12 @@ if serve is not None:
         grpc_context.set_details(e.details)
         raise e
 
+    # the replica (front door, router) at niceness 0 like its rank actors (`ClusterConfig.rank_niceness`), not at
+    # Ray's 15 for workers: below nice-0 ranks it starves where they hold every core, and at 15 any nice-0 process
+    # preempts it
     @serve.deployment(name="MoerayServer", max_ongoing_requests=300, health_check_period_s=10,
-                      health_check_timeout_s=30, ray_actor_options={"num_cpus": 0.25})
+                      health_check_timeout_s=30, ray_actor_options={
+                          "num_cpus": 0.25, "runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}})
     @serve.ingress()
     class MoerayServer:
         """One replica = one EP cluster (placement group + rank actors, built once here), serving

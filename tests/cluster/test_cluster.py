@@ -115,12 +115,12 @@ def test_idle_cluster_does_not_spin(llm2):
 
 
 def test_rank_niceness_reaches_the_rank_processes(ray_session, model_path, llm2):
-    """Ray starts its workers at niceness 15 (the default, `rank_niceness=None`); `rank_niceness=0` runs the rank
-    actors at 0 through their runtime env."""
-    assert all(psutil.Process(info["pid"]).nice() == 15 for info in llm2.cluster.info)
-    llm = LLM(model=model_path, ranks=1, max_model_len=64, kv_cache_bytes=2 << 20, rank_niceness=0)
+    """Ray starts its workers at niceness 15; the rank actors run at `rank_niceness` (default 0) through their
+    runtime env."""
+    assert all(psutil.Process(info["pid"]).nice() == 0 for info in llm2.cluster.info)
+    llm = LLM(model=model_path, ranks=1, max_model_len=64, kv_cache_bytes=2 << 20, rank_niceness=5)
     try:
-        assert psutil.Process(llm.cluster.info[0]["pid"]).nice() == 0
+        assert psutil.Process(llm.cluster.info[0]["pid"]).nice() == 5
         out = llm.generate(["x"], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
         assert out.error is None and len(out.token_ids) == 2
     finally:

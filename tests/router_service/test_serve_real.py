@@ -93,3 +93,15 @@ def test_grpc_in_the_replica(served):
                 break
             time.sleep(0.1)
         assert s.kv_blocks_free == s.kv_blocks_total
+
+
+def test_the_replica_and_its_ranks_run_at_niceness_0(served):
+    """Ray runs its workers at niceness 15; the MoerayServer replica (the front door) and its rank actors ask for 0,
+    so neither is preempted by every nice-0 process, and neither outranks the other."""
+    import psutil
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"]]
+    replica = [p for p in procs if "ServeReplica:moeray:MoerayServer" in " ".join(p.info["cmdline"])]
+    ranks = [p for p in procs if "RankWorker" in " ".join(p.info["cmdline"])]
+    assert replica and ranks
+    assert {p.nice() for p in replica + ranks} == {0}
