@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import Callable
 
 import torch
 
@@ -68,7 +69,7 @@ class SlotExchange:
     @staticmethod
     def usable(shm: ShmAllToAll | None) -> bool:
         """Whether a transport can carry this exchange: same-node shared memory with its compiled calls."""
-        return isinstance(shm, ShmAllToAll) and shm.base is not None and _build.lib() is not None
+        return isinstance(shm, ShmAllToAll) and _build.lib() is not None
 
     def fits(self, x_TD: torch.Tensor, capacity: int) -> bool:
         """Whether a layer of this width and dtype goes through the slots at this agreed capacity (the same answer on
@@ -120,11 +121,7 @@ class SlotExchange:
             e.gu, e.dn = gu.data_ptr(), dn.data_ptr()
             e.gup, e.dnp = (None if gup is None else gup.data_ptr()), (None if dnp is None else dnp.data_ptr())
             e.next, e.spin_ns, e.wait_ns, e.yield_ns, e.waited_ns = 0, shm.step_spin_ns, shm.slice_ns, shm.yield_ns, 0
-            t0 = time.perf_counter()
-            s = self.lib.moeray_ep_experts(ctypes.byref(e))
-            while s >= 0:  # a peer did not publish within a liveness slice
-                shm.check_peer(s, time.perf_counter() - t0)
-                s = self.lib.moeray_ep_experts(ctypes.byref(e))
+            s = self._until_done(lambda: self.lib.moeray_ep_experts(ctypes.byref(e)))
             if s == -2:
                 raise ValueError(f"slot exchange: a local expert id >= {gu.shape[0]}")
             if s == -3:
@@ -146,9 +143,20 @@ class SlotExchange:
     def _wait(self, s: int, target: int) -> float:
         """Wait until rank s published `target` (liveness checks between slices); returns the seconds waited."""
         shm, t0 = self.shm, time.perf_counter()
-        while not self.lib.moeray_shm_wait(shm.base, LINE, s, target, shm.step_spin_ns, shm.slice_ns, shm.yield_ns):
-            shm.check_peer(s, time.perf_counter() - t0)
+        self._until_done(lambda: self.lib.moeray_shm_wait(shm.base, LINE, s, target, shm.step_spin_ns, shm.slice_ns,
+                                                          shm.yield_ns))
         return time.perf_counter() - t0
+
+    def _until_done(self, call: Callable[[], int]) -> int:
+        """`call()` (a compiled wait: the peer it still waits for when a liveness slice passed, else a code < 0) again
+        after each slice, once `ShmAllToAll.check_peer` found that peer alive and in time; returns the final code.
+        Raises RuntimeError as `check_peer` does."""
+        t0 = time.perf_counter()
+        s = call()
+        while s >= 0:
+            self.shm.check_peer(s, time.perf_counter() - t0)
+            s = call()
+        return s
 
     def combine(self, state: tuple, w_TK: torch.Tensor) -> torch.Tensor:
         """Wait for every peer's results, then out [T, D] fp32 = sum_k w[t, k] * result of pair (t, k).
@@ -162,10 +170,7 @@ class SlotExchange:
         c.call, c.C, c.D, c.slot, c.w = rows.call, rows.C, rows.D, slot.data_ptr(), w.data_ptr()
         c.T, c.K, c.out = T, K, out.data_ptr()
         c.spin_ns, c.wait_ns, c.yield_ns, c.waited_ns = shm.step_spin_ns, shm.slice_ns, shm.yield_ns, 0
-        s = self.lib.moeray_ep_combine(ctypes.byref(c))
-        while s >= 0:
-            shm.check_peer(s, time.perf_counter() - t0)
-            s = self.lib.moeray_ep_combine(ctypes.byref(c))
+        self._until_done(lambda: self.lib.moeray_ep_combine(ctypes.byref(c)))
         shm.wait_s += c.waited_ns * 1e-9
         self.comm_s += time.perf_counter() - t0
         return out

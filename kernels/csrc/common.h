@@ -25,6 +25,14 @@ static inline float *thread_scratch(size_t floats) {
     return scratch;
 }
 
+/* o = w * y (first) or o += w * y, D floats: one term of a combine's weighted sum (pack_rows.c, ep_exchange.c). */
+static inline void weigh_term(float *o, const float *y, float w, long D, int first) {
+    if (first)
+        for (long d = 0; d < D; d++) o[d] = w * y[d];
+    else
+        for (long d = 0; d < D; d++) o[d] += w * y[d];
+}
+
 /* 8 bf16 -> 8 fp32: zero-extend to 32 bits and shift into the high half (exact). */
 static inline __m256 load8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);

@@ -118,12 +118,8 @@ long moeray_ep_combine(moeray_ep_combine_args *a) {
         float *o = a->out + t * D;
         for (long k = 0; k < K; k++) {
             const long g = a->slot[t * K + k], d = g / C, j = g % C;
-            const float wk = a->w[t * K + k];
             const float *y = (const float *)slot(a->base, a->line, W, a->slot_bytes, bank, d, a->r) + j * D;
-            if (k == 0)
-                for (long i = 0; i < D; i++) o[i] = wk * y[i];
-            else
-                for (long i = 0; i < D; i++) o[i] += wk * y[i];
+            weigh_term(o, y, a->w[t * K + k], D, k == 0);
         }
     }
     return -1;
@@ -133,7 +129,7 @@ long moeray_ep_combine(moeray_ep_combine_args *a) {
    bf16 stacks: actors/moe/slot_exchange.py runs them chunk by chunk in Python). */
 void moeray_shm_publish(char *base, long line, long r, long value) { shm_publish(base, line, r, (int64_t)value); }
 
-/* 1 once counter[s] >= target, 0 when wait_ns passed first (the Python experts path waits for each peer's chunk). */
+/* -1 once counter[s] >= target, s when wait_ns passed first (the Python experts path waits for each peer's chunk). */
 long moeray_shm_wait(char *base, long line, long s, long target, long spin_ns, long wait_ns, long yield_ns) {
-    return wait_for(base, line, s, (int64_t)target, spin_ns, now_ns() + wait_ns, yield_ns);
+    return wait_for(base, line, s, (int64_t)target, spin_ns, now_ns() + wait_ns, yield_ns) ? -1 : s;
 }

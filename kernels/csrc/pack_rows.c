@@ -69,13 +69,7 @@ void moeray_weigh_rows(const moeray_weigh_rows_args *a) {
     const long D = a->D, K = a->K;
     for (long t = 0; t < a->T; t++) {
         float *o = a->out + t * D;
-        for (long k = 0; k < K; k++) {
-            const float wk = a->w[t * K + k];
-            const float *y = a->y + a->slot[t * K + k] * a->ys;
-            if (k == 0)
-                for (long d = 0; d < D; d++) o[d] = wk * y[d];
-            else
-                for (long d = 0; d < D; d++) o[d] += wk * y[d];
-        }
+        for (long k = 0; k < K; k++)
+            weigh_term(o, a->y + a->slot[t * K + k] * a->ys, a->w[t * K + k], D, k == 0);
     }
 }
