@@ -11,6 +11,8 @@ agree the step's largest token count over the transport (one all-to-all of a few
 - `2ranks`: two ranks, experts sharded (per MoE layer a dispatch and a combine exchange), B/2 sequences each;
 - `2ranks_replicated`: two ranks, every expert on both (`--redundant-experts`: no per-layer exchange, the step
   agreement only);
+- `2lone`: two independent one-rank engines of B/2 sequences each, in two processes stepping at once (no group, no
+  agreement, no exchange): what two busy cores cost each other on this machine, apart from the lockstep;
 - `1rank_1`, `2ranks_1`, `2ranks_replicated_1`: one sequence, on one rank, or on rank 0 of a 2-rank group whose
   rank 1 has none and only serves its experts (one stream through a 2-rank server: the wall ms per step is its
   inter-token latency without the front door).
@@ -19,13 +21,14 @@ Per configuration: each rank's CPU ms per step (`time.thread_time` of its steppi
 for the 2-rank groups the exchange's wall ms per step (`AllToAllDispatcher.comm_s`). Ratios: total CPU per token of
 2 ranks over 1 rank (`cpu_2v1`), tok/s of 2 ranks over 1 rank (`tps_2v1`, from wall time), and the split of the
 2-rank excess into the per-step cost that a second rank repeats (`2 x 1rank_B/2 - 1rank_B`) and the rest
-(exchange, agreement, two busy cores). Fixed per-step cost = the intercept of the 1-rank line through B/2 and B.
+(exchange, agreement, two busy cores); `lone_2v1` (2lone's CPU over twice 1rank_B/2's) is the two-busy-cores share
+of it, `lockstep_2v1` (2ranks_replicated's CPU over 2lone's) what the agreement's lockstep adds. Fixed per-step cost = the intercept of the 1-rank line through B/2 and B.
 
     python bench/rank_step_cost.py --quick          # B = 64, 2 rounds (~2 min)
     python bench/rank_step_cost.py                  # B = 64, 4 rounds
 
 Last line: RESULT cpu_2v1=.. cpu_2v1_replicated=.. tps_2v1=.. tps_2v1_replicated=.. fixed_ms=.. per_seq_ms=..
-repeat_share=.. exchange_ms=.. step1_2v1=.. step1_2v1_replicated=.. (medians over rounds; repeat_share: the
+repeat_share=.. exchange_ms=.. step1_2v1=.. step1_2v1_replicated=.. lone_2v1=.. lockstep_2v1=.. (medians over rounds; repeat_share: the
 fraction of the sharded 2-rank CPU excess that the repeated per-step cost explains; step1_2v1: the one-sequence wall
 ms per step of 2 ranks over 1 rank).
 """
@@ -133,6 +136,40 @@ def run_group(batch_per_rank: int, replicated: bool, steps: int, one_sided: bool
     return [got[r] for r in range(2)]
 
 
+def _lone(batch: int, steps: int, barrier, q) -> None:
+    """One independent world-size-1 engine (the `2lone` configuration): builds, waits for its twin, steps."""
+    import torch
+
+    from decode_step import build
+
+    try:
+        torch.set_num_threads(1)
+        eng = build(MODEL, batch, WARMUP + steps + 40)
+        barrier.wait(timeout=600)
+        q.put(_steps(eng, 1, None, steps))
+    except Exception as e:  # noqa: BLE001 - reported by the parent
+        q.put(repr(e))
+
+
+def run_lone(batch: int, steps: int) -> list[tuple[float, float, float]]:
+    """Two independent one-rank engines of `batch` sequences each, stepping at the same time (a barrier after
+    both built theirs): [(CPU ms, wall ms, 0) per step] by process."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q, barrier = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_lone, args=(batch, steps, barrier, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    bad = [v for v in got if isinstance(v, str)]
+    if bad:
+        raise RuntimeError(f"engine failed: {bad}")
+    return got
+
+
 def run_one(batch: int, steps: int) -> tuple[float, float, float]:
     """One rank of `batch` sequences in a subprocess (a fresh process, like the ranks): (CPU ms, wall ms, 0)."""
     import subprocess
@@ -161,11 +198,12 @@ def main() -> None:
         raise SystemExit(f"--batch {a.batch} must be even (half on each rank)")
     rounds = a.rounds or (2 if a.quick else 4)
     B, h = a.batch, a.batch // 2
-    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": [], "1rank_1": [],
+    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": [], "2lone": [], "1rank_1": [],
                             "2ranks_1": [], "2ranks_replicated_1": []}
     for rnd in range(rounds):
         runs = [("1rank_B", lambda: [run_one(B, steps)]), ("1rank_B/2", lambda: [run_one(h, steps)]),
                 ("2ranks", lambda: run_group(h, False, steps)), ("2ranks_replicated", lambda: run_group(h, True, steps)),
+                ("2lone", lambda: run_lone(h, steps)),
                 ("1rank_1", lambda: [run_one(1, steps)]), ("2ranks_1", lambda: run_group(1, False, steps, True)),
                 ("2ranks_replicated_1", lambda: run_group(1, True, steps, True))]
         for name, fn in runs if rnd % 2 == 0 else runs[::-1]:
@@ -181,7 +219,7 @@ def main() -> None:
     cpu = {n: med(n, lambda r: sum(c for c, _, _ in r)) for n in res}  # CPU ms per step, every rank
     wall = {n: med(n, lambda r: max(w for _, w, _ in r)) for n in res}
     exch = med("2ranks", lambda r: statistics.mean(x for _, _, x in r))
-    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B, "1rank_1": 1, "2ranks_1": 1,
+    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B, "2lone": B, "1rank_1": 1, "2ranks_1": 1,
             "2ranks_replicated_1": 1}
     print(f"\nmachine: {os.cpu_count()} cores; {B} sequences in all; {steps} decode steps per run; rounds: {rounds}; "
           "medians; one compute thread per rank\n")
@@ -198,7 +236,8 @@ def main() -> None:
            "tps_2v1": wall["1rank_B"] / wall["2ranks"], "tps_2v1_replicated": wall["1rank_B"] / wall["2ranks_replicated"],
            "fixed_ms": fixed, "per_seq_ms": per_seq, "repeat_share": repeat / excess if excess > 0 else 0.0,
            "exchange_ms": exch, "step1_2v1": wall["2ranks_1"] / wall["1rank_1"],
-           "step1_2v1_replicated": wall["2ranks_replicated_1"] / wall["1rank_1"]}
+           "step1_2v1_replicated": wall["2ranks_replicated_1"] / wall["1rank_1"],
+           "lone_2v1": cpu["2lone"] / (2 * cpu["1rank_B/2"]), "lockstep_2v1": cpu["2ranks_replicated"] / cpu["2lone"]}
     print(f"\nper-step cost of one rank: {fixed:.2f} ms fixed + {per_seq:.4f} ms per sequence; a 2-rank group's CPU "
           f"excess over 1 rank {excess:.2f} ms/step, of which the second rank's repeated per-step cost {repeat:.2f}; "
           f"sharded exchange wall {exch:.2f} ms/step per rank")
