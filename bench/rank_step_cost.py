@@ -22,15 +22,17 @@ for the 2-rank groups the exchange's wall ms per step (`AllToAllDispatcher.comm_
 2 ranks over 1 rank (`cpu_2v1`), tok/s of 2 ranks over 1 rank (`tps_2v1`, from wall time), and the split of the
 2-rank excess into the per-step cost that a second rank repeats (`2 x 1rank_B/2 - 1rank_B`) and the rest
 (exchange, agreement, two busy cores); `lone_2v1` (2lone's CPU over twice 1rank_B/2's) is the two-busy-cores share
-of it, `lockstep_2v1` (2ranks_replicated's CPU over 2lone's) what the agreement's lockstep adds. Fixed per-step cost = the intercept of the 1-rank line through B/2 and B.
+of it, `lockstep_2v1` (2ranks' CPU over 2lone's) what the exchange, the agreement and the lockstep add to two engines
+(`lockstep_2v1_replicated`: 2ranks_replicated's). Fixed per-step cost = the intercept of the 1-rank line through B/2
+and B.
 
     python bench/rank_step_cost.py --quick          # B = 64, 2 rounds (~2 min)
     python bench/rank_step_cost.py                  # B = 64, 4 rounds
 
 Last line: RESULT cpu_2v1=.. cpu_2v1_replicated=.. tps_2v1=.. tps_2v1_replicated=.. fixed_ms=.. per_seq_ms=..
-repeat_share=.. exchange_ms=.. step1_2v1=.. step1_2v1_replicated=.. lone_2v1=.. lockstep_2v1=.. (medians over rounds; repeat_share: the
-fraction of the sharded 2-rank CPU excess that the repeated per-step cost explains; step1_2v1: the one-sequence wall
-ms per step of 2 ranks over 1 rank).
+repeat_share=.. exchange_ms=.. step1_2v1=.. step1_2v1_replicated=.. lone_2v1=.. lockstep_2v1=..
+lockstep_2v1_replicated=.. (medians over rounds; repeat_share: the fraction of the sharded 2-rank CPU excess that
+the repeated per-step cost explains; step1_2v1: the one-sequence wall ms per step of 2 ranks over 1 rank).
 """
 from __future__ import annotations
 
@@ -198,8 +200,8 @@ def main() -> None:
         raise SystemExit(f"--batch {a.batch} must be even (half on each rank)")
     rounds = a.rounds or (2 if a.quick else 4)
     B, h = a.batch, a.batch // 2
-    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": [], "2lone": [], "1rank_1": [],
-                            "2ranks_1": [], "2ranks_replicated_1": []}
+    res: dict[str, list] = {"1rank_B": [], "1rank_B/2": [], "2ranks": [], "2ranks_replicated": [], "2lone": [],
+                            "1rank_1": [], "2ranks_1": [], "2ranks_replicated_1": []}
     for rnd in range(rounds):
         runs = [("1rank_B", lambda: [run_one(B, steps)]), ("1rank_B/2", lambda: [run_one(h, steps)]),
                 ("2ranks", lambda: run_group(h, False, steps)), ("2ranks_replicated", lambda: run_group(h, True, steps)),
@@ -219,8 +221,8 @@ def main() -> None:
     cpu = {n: med(n, lambda r: sum(c for c, _, _ in r)) for n in res}  # CPU ms per step, every rank
     wall = {n: med(n, lambda r: max(w for _, w, _ in r)) for n in res}
     exch = med("2ranks", lambda r: statistics.mean(x for _, _, x in r))
-    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B, "2lone": B, "1rank_1": 1, "2ranks_1": 1,
-            "2ranks_replicated_1": 1}
+    toks = {"1rank_B": B, "1rank_B/2": h, "2ranks": B, "2ranks_replicated": B, "2lone": B, "1rank_1": 1,
+            "2ranks_1": 1, "2ranks_replicated_1": 1}
     print(f"\nmachine: {os.cpu_count()} cores; {B} sequences in all; {steps} decode steps per run; rounds: {rounds}; "
           "medians; one compute thread per rank\n")
     print("| config | sequences per rank | CPU ms/step (all ranks) | wall ms/step | CPU ms/token | tok/s |")
@@ -237,7 +239,8 @@ def main() -> None:
            "fixed_ms": fixed, "per_seq_ms": per_seq, "repeat_share": repeat / excess if excess > 0 else 0.0,
            "exchange_ms": exch, "step1_2v1": wall["2ranks_1"] / wall["1rank_1"],
            "step1_2v1_replicated": wall["2ranks_replicated_1"] / wall["1rank_1"],
-           "lone_2v1": cpu["2lone"] / (2 * cpu["1rank_B/2"]), "lockstep_2v1": cpu["2ranks_replicated"] / cpu["2lone"]}
+           "lone_2v1": cpu["2lone"] / (2 * cpu["1rank_B/2"]), "lockstep_2v1": cpu["2ranks"] / cpu["2lone"],
+           "lockstep_2v1_replicated": cpu["2ranks_replicated"] / cpu["2lone"]}
     print(f"\nper-step cost of one rank: {fixed:.2f} ms fixed + {per_seq:.4f} ms per sequence; a 2-rank group's CPU "
           f"excess over 1 rank {excess:.2f} ms/step, of which the second rank's repeated per-step cost {repeat:.2f}; "
           f"sharded exchange wall {exch:.2f} ms/step per rank")
