@@ -165,9 +165,12 @@ class RankWorker(ElasticRank, LockstepLoop):
     def add_request(self, data: bytes, seq: int = 0) -> None:
         """Queue one encoded `GenerateRequest` on this rank. The router then sends a freshly drawn `seq` to every
         rank (`wake`), so no rank can have seen that seq before this rank holds the request; `seq` here wakes
-        this rank's loop directly (a caller driving one rank in-process). Raises RuntimeError on a failed rank."""
+        this rank's loop directly (a caller driving one rank in-process). Raises RuntimeError on a failed rank, or
+        on one not set up yet (its group is still being built: the router's retryable error names it)."""
         if self._failed is not None:
             raise RuntimeError(self._failed)
+        if self.engine is None:
+            raise RuntimeError(f"rank {self.rank} is not set up yet (its group is being built)")
         self.engine.add_request(GenerateRequest.decode(data))
         self._bump(seq)
 
