@@ -114,32 +114,40 @@ def _rank(rank: int, world: int, port: int, batch: int, replicated: bool, steps:
         q.put((rank, repr(e)))
 
 
-def run_group(batch_per_rank: int, replicated: bool, steps: int, one_sided: bool = False
-              ) -> list[tuple[float, float, float]]:
-    """Two spawned ranks of `batch_per_rank` sequences each (one_sided: rank 0 holds them, rank 1 none, as one
-    stream through a 2-rank server): [(CPU ms, wall ms, exchange ms) per step] by rank."""
+def _spawn_pair(target, args_of) -> list:
+    """Runs `target(*args, q)` in two spawned processes, args = args_of(ctx)[i]; each puts (i, its result, or the
+    repr of its error) on q. Returns the results by i. Raises RuntimeError naming the processes that failed."""
     import torch.multiprocessing as mp
 
-    from actors.rank.rendezvous import host_store
-
-    store = host_store(2)  # held until the ranks are done
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, store.port, 0 if one_sided and r else batch_per_rank, replicated,
-                                             steps, q)) for r in range(2)]
+    # `args` stays referenced until the children are done: start() drops a process's own reference to its args
+    # while the child may still be unpickling them (a Barrier among them would be gone)
+    q, args = ctx.Queue(), args_of(ctx)
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    bad = {r: v for r, v in got.items() if isinstance(v, str)}
+    bad = {i: v for i, v in got.items() if isinstance(v, str)}
     if bad:
-        raise RuntimeError(f"rank failed: {bad}")
-    return [got[r] for r in range(2)]
+        raise RuntimeError(f"process failed: {bad}")
+    return [got[i] for i in range(len(procs))]
 
 
-def _lone(batch: int, steps: int, barrier, q) -> None:
-    """One independent world-size-1 engine (the `2lone` configuration): builds, waits for its twin, steps."""
+def run_group(batch_per_rank: int, replicated: bool, steps: int, one_sided: bool = False
+              ) -> list[tuple[float, float, float]]:
+    """Two spawned ranks of `batch_per_rank` sequences each (one_sided: rank 0 holds them, rank 1 none, as one
+    stream through a 2-rank server): [(CPU ms, wall ms, exchange ms) per step] by rank."""
+    from actors.rank.rendezvous import host_store
+
+    store = host_store(2)  # held until the ranks are done
+    return _spawn_pair(_rank, lambda ctx: [(r, 2, store.port, 0 if one_sided and r else batch_per_rank, replicated,
+                                            steps) for r in range(2)])
+
+
+def _lone(i: int, batch: int, steps: int, barrier, q) -> None:
+    """Independent world-size-1 engine i (the `2lone` configuration): builds, waits for its twin, steps."""
     import torch
 
     from decode_step import build
@@ -148,28 +156,19 @@ def _lone(batch: int, steps: int, barrier, q) -> None:
         torch.set_num_threads(1)
         eng = build(MODEL, batch, WARMUP + steps + 40)
         barrier.wait(timeout=600)
-        q.put(_steps(eng, 1, None, steps))
+        q.put((i, _steps(eng, 1, None, steps)))
     except Exception as e:  # noqa: BLE001 - reported by the parent
-        q.put(repr(e))
+        q.put((i, repr(e)))
 
 
 def run_lone(batch: int, steps: int) -> list[tuple[float, float, float]]:
     """Two independent one-rank engines of `batch` sequences each, stepping at the same time (a barrier after
     both built theirs): [(CPU ms, wall ms, 0) per step] by process."""
-    import torch.multiprocessing as mp
+    def args_of(ctx):
+        barrier = ctx.Barrier(2)
+        return [(i, batch, steps, barrier) for i in range(2)]
 
-    ctx = mp.get_context("spawn")
-    q, barrier = ctx.Queue(), ctx.Barrier(2)
-    procs = [ctx.Process(target=_lone, args=(batch, steps, barrier, q)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    bad = [v for v in got if isinstance(v, str)]
-    if bad:
-        raise RuntimeError(f"engine failed: {bad}")
-    return got
+    return _spawn_pair(_lone, args_of)
 
 
 def run_one(batch: int, steps: int) -> tuple[float, float, float]:

@@ -1,5 +1,5 @@
-/* Entry points that another kernel calls as well as Python (attention_block.c and ep_exchange.c compose them): their argument
-   structs are defined here once, mirrored by kernels/cpu/_abi.py. */
+/* Entry points that another kernel calls as well as Python (attention_block.c and ep_exchange.c compose them):
+   their argument structs are defined here once, mirrored by kernels/cpu/_abi.py. */
 #ifndef MOERAY_ENTRY_POINTS_H
 #define MOERAY_ENTRY_POINTS_H
 #include <stdint.h>

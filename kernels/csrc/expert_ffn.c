@@ -73,8 +73,7 @@ static int expert_ffn_bf16w(const float *x, long sx, const uint16_t *gu, const u
     return rc;
 }
 
-/* Entry point: expert_ffn_bf16w's arguments as one struct (kernels/cpu/_abi.py: ExpertFFNArgs). */
-
+/* Entry point: expert_ffn_bf16w's arguments as one struct (entry_points.h; kernels/cpu/_abi.py: ExpertFFNArgs). */
 long moeray_expert_ffn_bf16w(const moeray_expert_ffn_bf16w_args *a) {
     return expert_ffn_bf16w(a->x, a->sx, a->gu, a->dn, a->gup, a->dnp, a->ids, a->wts, a->R, a->K, a->E, a->D, a->I,
                             a->y, a->sy);
